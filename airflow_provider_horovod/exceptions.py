@@ -1,0 +1,48 @@
+"""Exceptions raised by the engine and the Airflow layer; each message says what to do."""
+
+from __future__ import annotations
+
+
+class HorovodRunError(RuntimeError):
+    """A Horovod job failed, was cancelled, or could not start.
+
+    :param message: what happened and what to do about it.
+    :param rank: the rank that failed first, when known.
+    :param host: the host identity of that rank, when known.
+    :param remote_traceback: the failing rank's traceback text, when known.
+    :param log_tail: the last lines each rank printed, by rank.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        host: str | None = None,
+        remote_traceback: str | None = None,
+        log_tail: dict[int, list[str]] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.host = host
+        self.remote_traceback = remote_traceback
+        self.log_tail = log_tail or {}
+        text = message
+        if remote_traceback:
+            text += "\n\nRemote traceback (rank %s on %s):\n%s" % (rank, host, remote_traceback.rstrip())
+        super().__init__(text)
+
+
+class RunCancelledError(HorovodRunError):
+    """The run was cancelled (``cancel()``, KeyboardInterrupt or SIGTERM)."""
+
+
+class InsufficientSlotsError(HorovodRunError):
+    """The cluster has fewer barrier slots than the ranks asked for."""
+
+
+class PayloadError(ValueError):
+    """The training callable or its arguments cannot be shipped to the ranks."""
+
+
+class ArtifactError(RuntimeError):
+    """Artifacts could not be written or read; the message names the path."""

@@ -1,0 +1,179 @@
+"""The driver-side channel: an authenticated stream of log lines and events from tasks and ranks.
+
+The driver listens on its Spark address; tasks and ranks connect with the run's secret
+(``wire``). Everything sent is small JSON: ``logs`` (a batch of lines of one rank), ``event``
+(task started, orted launched, ...) and ``error`` (a rank's exception, traceback and last lines).
+Where executors cannot reach the driver (a Spark Connect session to a remote server), clients give
+up quietly and the same information travels back in the barrier stage's result rows instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from airflow_provider_horovod.runner import wire
+
+log = logging.getLogger(__name__)
+rank_log = logging.getLogger("airflow_provider_horovod.ranks")
+
+TAIL_LINES = 100
+
+
+class Channel:
+    """Accepts authenticated connections and collects what they send."""
+
+    def __init__(self, secret: bytes, *, emit_logs: bool = True, on_error: Callable[[dict], None] | None = None) -> None:
+        self._secret = secret
+        self._emit_logs = emit_logs
+        self._on_error = on_error
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._closed = threading.Event()
+        self.address: tuple[str, int] | None = None
+        self.tails: dict[int, collections.deque[str]] = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
+        self.errors: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.rejected = 0
+        self.started: set[int] = set()
+        self.started_event = threading.Event()
+        self.expected_tasks = 0
+
+    def start(self, host: str) -> tuple[str, int] | None:
+        try:
+            self._listener = wire.listen(host)
+        except OSError as err:
+            log.info("Not listening for rank logs on %s (%s); logs will come back with the results", host, err)
+            return None
+        self.address = (host, self._listener.getsockname()[1])
+        threading.Thread(target=self._accept_loop, name="hvdrunner-channel", daemon=True).start()
+        return self.address
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                conn = wire.accept(self._listener, self._secret)
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: wire.ServerConnection) -> None:
+        try:
+            while True:
+                self.handle(conn.recv())
+        except wire.AuthenticationError:
+            with self._lock:
+                self.rejected += 1
+            log.warning("Refused a connection to the rank log channel that was not signed with this run's secret")
+        except (ConnectionError, OSError, ValueError):
+            pass
+        finally:
+            conn.close()
+
+    def handle(self, msg: dict[str, Any]) -> None:
+        kind = msg.get("t")
+        if kind == "logs":
+            self.lines(int(msg["rank"]), msg["lines"], callback=bool(msg.get("callback")))
+        elif kind == "event":
+            with self._lock:
+                self.events.append(msg)
+            if msg.get("kind") == "task-started":
+                with self._lock:
+                    self.started.add(int(msg["partition"]))
+                    if self.expected_tasks and len(self.started) >= self.expected_tasks:
+                        self.started_event.set()
+        elif kind == "error":
+            self.error(msg)
+
+    def lines(self, rank: int, lines: list[str], *, callback: bool = False) -> None:
+        with self._lock:
+            self.tails[rank].extend(lines)
+        if self._emit_logs or callback:
+            for line in lines:
+                rank_log.info("[rank %d] %s", rank, line)
+
+    def error(self, msg: dict[str, Any]) -> None:
+        with self._lock:
+            self.errors.append(msg)
+        if self._on_error is not None:
+            self._on_error(msg)
+
+
+class ChannelClient:
+    """A non-blocking sender: ``send`` queues, a daemon thread writes. Never raises to its caller."""
+
+    def __init__(self, address: tuple[str, int] | None, secret: bytes, *, connect_timeout: float = 3.0) -> None:
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=10000)
+        self._conn: wire.ClientConnection | None = None
+        self._thread: threading.Thread | None = None
+        if address is None:
+            return
+        try:
+            self._conn = wire.connect(address, secret, timeout=connect_timeout)
+        except OSError:
+            self._conn = None
+            return
+        self._thread = threading.Thread(target=self._loop, name="hvdrunner-channel-client", daemon=True)
+        self._thread.start()
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self._conn is None:
+            return
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(msg)
+
+    def send_now(self, msg: dict[str, Any], timeout: float = 5.0) -> None:
+        """Queue ``msg`` and wait (bounded) until everything queued so far is written."""
+        if self._conn is None:
+            return
+        self.send(msg)
+        self.flush(timeout)
+
+    def flush(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self._conn is not None and self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _loop(self) -> None:
+        assert self._conn is not None
+        while True:
+            msg = self._queue.get()
+            try:
+                if msg is None:
+                    return
+                self._conn.send(msg)
+            except OSError:
+                self._conn = None
+                return
+            finally:
+                self._queue.task_done()
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._conn is None:
+            return
+        self.flush(timeout)
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()

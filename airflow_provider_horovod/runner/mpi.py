@@ -1,0 +1,197 @@
+"""mpirun without SSH: an exec service in each barrier task and an rsh agent for ``mpirun``.
+
+Partition 0 runs ``mpirun -mca plm_rsh_agent <agent>`` with one pseudo host name per executor.
+For each host Open MPI calls ``<agent> <host> orted <args...>``; the agent connects to the exec
+service of that host's first barrier task (authenticated with the run's secret) and asks it to
+start ``orted``; the service starts it under a reaper that dies with the task. The service starts
+nothing but ``orted``, from an argv list, never through a shell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from airflow_provider_horovod.runner import procs, wire
+from airflow_provider_horovod.runner.plan import Plan
+
+AGENT_HOSTS_ENV = "HVDRUNNER_EXEC_SERVICES"
+SECRET_ENV = "HVDRUNNER_SECRET"
+
+
+def orted_argv(words: list[str]) -> list[str]:
+    """The ``orted`` command in what Open MPI handed the agent.
+
+    Open MPI quotes some arguments for a remote shell (``-mca orte_hnp_uri "..."``) and may prefix
+    ``VAR=value ; export VAR ;`` assignments; the words are split as a POSIX shell would split
+    them, without running one, and everything before ``orted`` is dropped.
+    """
+    tokens = shlex.split(" ".join(words))
+    for i, token in enumerate(tokens):
+        if os.path.basename(token) == "orted":
+            return ["orted", *tokens[i + 1 :]]
+    raise ValueError("the rsh agent was asked to run something other than orted: %r" % (words[:3],))
+
+
+class ExecService:
+    """Starts ``orted`` for authenticated requests; kills it when the requester goes away."""
+
+    def __init__(
+        self,
+        host: str,
+        secret: bytes,
+        env: dict[str, str],
+        watch_pid: int,
+        on_launch: Callable[[list[str]], None] | None = None,
+    ) -> None:
+        self._secret = secret
+        self._env = env
+        self._watch_pid = watch_pid
+        self._on_launch = on_launch
+        self._listener = wire.listen(host)
+        self.port: int = self._listener.getsockname()[1]
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.launches = 0
+        self.refused = 0
+        threading.Thread(target=self._accept_loop, name="hvdrunner-exec-service", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn = wire.accept(self._listener, self._secret)
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: wire.ServerConnection) -> None:
+        proc = None
+        try:
+            conn.sock.settimeout(30)
+            request = conn.recv()
+            conn.sock.settimeout(None)
+            argv = list(request["argv"])
+            if argv[:1] != ["orted"]:
+                raise ValueError("refused to start %r" % argv[:1])
+            with self._lock:
+                if self._closed:
+                    return
+                proc = procs.spawn(procs.reaped(argv, self._watch_pid), self._env)
+                self._procs.append(proc)
+                self.launches += 1
+            if self._on_launch is not None:
+                self._on_launch(argv)
+            conn.send({"started": proc.pid})
+            # The agent holds the connection open while orted runs, as ssh would; if it goes away
+            # (mpirun was killed), orted goes too.
+            gone = threading.Event()
+
+            def watch_peer() -> None:
+                with contextlib.suppress(Exception):
+                    conn.recv()
+                gone.set()
+
+            threading.Thread(target=watch_peer, daemon=True).start()
+            while proc.poll() is None and not gone.wait(0.2):
+                pass
+            if proc.poll() is None:
+                procs.kill_tree(proc)
+            with contextlib.suppress(OSError):
+                conn.send({"exit": proc.returncode})
+        except (wire.AuthenticationError, ValueError, KeyError, TypeError):
+            with self._lock:
+                self.refused += 1
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            running = list(self._procs)
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        for proc in running:
+            if proc.poll() is None:
+                procs.kill_tree(proc)
+
+
+def write_agent(directory: Path) -> Path:
+    """The executable that ``-mca plm_rsh_agent`` points at."""
+    path = directory / "hvdrunner-rsh"
+    path.write_text("#!%s\nfrom airflow_provider_horovod.runner.mpi import agent_main\nagent_main()\n" % sys.executable)
+    path.chmod(0o700)
+    return path
+
+
+def agent_main(argv: list[str] | None = None) -> None:
+    """``hvdrunner-rsh <host> orted <args...>``: start orted on <host> through its exec service."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2:
+        sys.stderr.write("usage: hvdrunner-rsh HOST COMMAND...\n")
+        sys.exit(2)
+    host, words = argv[0], argv[1:]
+    services = json.loads(os.environ[AGENT_HOSTS_ENV])
+    if host not in services:
+        sys.stderr.write("hvdrunner-rsh: no exec service for host %r (known: %s)\n" % (host, sorted(services)))
+        sys.exit(255)
+    addr, _, port = services[host].rpartition(":")
+    secret = bytes.fromhex(os.environ[SECRET_ENV])
+    conn = wire.connect((addr, int(port)), secret, timeout=30)
+    signal.signal(signal.SIGTERM, lambda *_: (conn.close(), os._exit(143)))
+    conn.send({"argv": orted_argv(words)})
+    code = 255
+    with contextlib.suppress(ConnectionError, OSError, ValueError):
+        conn.recv()  # {"started": pid}
+        code = int(conn.recv().get("exit", 255))
+    conn.close()
+    sys.exit(code if code >= 0 else 128 - code)
+
+
+def mpirun_argv(
+    plan: Plan | None,
+    worker: list[str],
+    *,
+    agent: Path | None,
+    iface: str,
+    np: int,
+    env_names: list[str],
+) -> list[str]:
+    """The ``mpirun`` command for ``plan`` (or for ``np`` local processes when ``plan`` is None)."""
+    argv = ["mpirun"]
+    if os.geteuid() == 0:
+        argv.append("--allow-run-as-root")
+    if plan is None:
+        argv += ["-np", str(np), "-H", "localhost:%d" % np]
+    else:
+        hosts = ",".join("%s:%d" % (name, len(slots)) for name, slots in plan.hosts)
+        argv += ["-np", str(plan.size), "-H", hosts]
+        argv += ["-mca", "plm_rsh_agent", str(agent), "-mca", "plm_rsh_no_tree_spawn", "1"]
+    argv += ["-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "self,tcp,vader"]
+    if iface:
+        argv += ["-mca", "btl_tcp_if_include", iface, "-mca", "oob_tcp_if_include", iface]
+    for name in env_names:
+        argv += ["-x", name]
+    return argv + worker
+
+
+def interface_for(address: str) -> str:
+    """The network interface that holds ``address`` (``lo`` for loopback)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address:
+                return name
+    return ""

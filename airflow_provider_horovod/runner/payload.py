@@ -1,0 +1,126 @@
+"""The payload: the training callable and its arguments, cloudpickled once on the driver.
+
+A callable whose module the executors cannot import (``__main__``, a notebook, an Airflow DAG
+file imported under a mangled name, a test module) is pickled by value; one that lives in an
+installed package is pickled by reference, as any library function is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import sysconfig
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from airflow_provider_horovod.exceptions import PayloadError
+
+_INSTALLED_ROOTS = tuple(
+    str(Path(p).resolve())
+    for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], sysconfig.get_paths()["stdlib"]}
+)
+
+
+def resolve_callable(main: Callable[..., Any] | str) -> Callable[..., Any]:
+    """Return ``main`` itself, or the function a ``"package.module:function"`` string names."""
+    if callable(main):
+        return main
+    if not isinstance(main, str) or main.count(":") != 1:
+        raise PayloadError(
+            "The training callable must be a function or a 'package.module:function' string; got %r." % (main,)
+        )
+    module_name, _, attr = main.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:
+        raise PayloadError(
+            "Cannot import module %r named in %r (%s: %s). Install the package on the driver and the "
+            "executors, or pass the function itself." % (module_name, main, type(err).__name__, err)
+        ) from err
+    try:
+        target = getattr(module, attr)
+    except AttributeError:
+        raise PayloadError("Module %r has no attribute %r (from %r)." % (module_name, attr, main)) from None
+    if not callable(target):
+        raise PayloadError("%r is a %s, not a callable." % (main, type(target).__name__))
+    return target
+
+
+def _installed(module: types.ModuleType) -> bool:
+    path = getattr(module, "__file__", None)
+    if not path:
+        return False
+    resolved = str(Path(path).resolve())
+    return resolved.startswith(_INSTALLED_ROOTS)
+
+
+def _register_by_value(fn: Callable[..., Any]) -> None:
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__" or module.__name__.startswith("airflow_provider_horovod"):
+        return  # __main__ is pickled by value already; our own package is installed everywhere
+    if not _installed(module):
+        cloudpickle.register_pickle_by_value(module)
+
+
+def _culprit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Name the first object that does not pickle, for the error message."""
+    candidates: list[tuple[str, Any]] = [("argument %d" % i, a) for i, a in enumerate(args)]
+    candidates += [("keyword argument %r" % k, v) for k, v in kwargs.items()]
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+            try:
+                candidates.append(("closure variable %r" % name, cell.cell_contents))
+            except ValueError:
+                pass
+        fn_globals = getattr(fn, "__globals__", {})
+        candidates += [("global %r" % n, fn_globals[n]) for n in code.co_names if n in fn_globals]
+    for label, value in candidates:
+        if isinstance(value, types.ModuleType):
+            continue
+        try:
+            cloudpickle.dumps(value)
+        except Exception as err:
+            return "%s (a %s: %s)" % (label, type(value).__name__, err)
+    return "the function itself"
+
+
+def build_payload(main: Callable[..., Any] | str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> bytes:
+    """Pickle ``main`` with its arguments; raise ``PayloadError`` naming what cannot be pickled."""
+    fn = resolve_callable(main)
+    kwargs = dict(kwargs or {})
+    _register_by_value(fn)
+    try:
+        return cloudpickle.dumps((fn, tuple(args), kwargs))
+    except Exception as err:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise PayloadError(
+            "Cannot pickle the training job %s: %s cannot be pickled. Create such objects inside the "
+            "training function (imports, clients, locks, open files) instead of capturing them."
+            % (name, _culprit(fn, tuple(args), kwargs))
+        ) from err
+
+
+def load_payload(data: bytes) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    return cloudpickle.loads(data)
+
+
+def describe(main: Callable[..., Any] | str) -> str:
+    fn = resolve_callable(main)
+    module = getattr(fn, "__module__", "?")
+    return "%s.%s" % (module, getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn))))
+
+
+def signature_ok(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Fail early when the arguments cannot bind to the function's signature."""
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as err:
+        raise PayloadError("The arguments do not fit %s: %s" % (getattr(fn, "__qualname__", fn), err)) from None
+    except ValueError:
+        pass  # builtins without a signature

@@ -1,0 +1,172 @@
+"""The rank plan: a pure function from what the barrier tasks report to who is which rank.
+
+Ranks are contiguous per host and rank 0 is partition 0, as Horovod requires. A "host" is one
+Spark executor (tasks report their executor's address), so two executors on one machine are two
+hosts to Horovod and to ``mpirun``. The local/cross layout is Horovod's own
+``get_host_assignments``, so ``local_rank`` and ``cross_rank`` match what Horovod computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskFacts:
+    """What one barrier task reports about itself in the first ``allGather``."""
+
+    partition: int
+    executor: str  # the executor's address as Spark reports it: one per host identity
+    address: str  # an IP the other tasks can reach this task on
+    pid: int  # the Spark Python worker running the task; ranks watch it
+    task_dir: str
+    python: str
+    gpus: tuple[str, ...] = ()
+    service_port: int = 0  # exec service (mpirun) of this task
+    rendezvous_port: int = 0  # Horovod's rendezvous server (gloo, partition 0 only)
+    iface: str = ""
+    missing: tuple[str, ...] = ()  # programs the launcher needs that are not on PATH here
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TaskFacts:
+        raw = json.loads(text)
+        raw["gpus"] = tuple(raw["gpus"])
+        raw["missing"] = tuple(raw["missing"])
+        return cls(**raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One rank: where it runs and what Horovod will call it."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostname: str  # host identity given to Horovod / mpirun, e.g. ``hvdhost0``
+    partition: int
+    executor: str
+    address: str
+    task_pid: int
+    task_dir: str
+    gpus: tuple[str, ...]
+    iface: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    slots: tuple[Slot, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def hosts(self) -> list[tuple[str, list[Slot]]]:
+        """Hosts in rank order with their slots (rank 0's host first)."""
+        out: dict[str, list[Slot]] = {}
+        for slot in self.slots:
+            out.setdefault(slot.hostname, []).append(slot)
+        return list(out.items())
+
+    def for_partition(self, partition: int) -> Slot:
+        return next(s for s in self.slots if s.partition == partition)
+
+    def host_leader(self, hostname: str) -> Slot:
+        """The slot whose task starts the host's ``orted`` (its lowest rank)."""
+        return next(s for s in self.slots if s.hostname == hostname)
+
+    def to_json(self) -> str:
+        return json.dumps([dataclasses.asdict(s) for s in self.slots])
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        slots = []
+        for raw in json.loads(text):
+            raw["gpus"] = tuple(raw["gpus"])
+            slots.append(Slot(**raw))
+        return cls(tuple(slots))
+
+
+def make_plan(facts: list[TaskFacts]) -> Plan:
+    """Assign ranks to barrier tasks.
+
+    Hosts are ordered by their lowest partition, so partition 0's host comes first; within a host,
+    tasks are ordered by partition. That makes partition 0 rank 0 and every host's ranks contiguous.
+    """
+    if not facts:
+        raise ValueError("no barrier tasks reported")
+    by_executor: dict[str, list[TaskFacts]] = {}
+    for f in sorted(facts, key=lambda f: f.partition):
+        by_executor.setdefault(f.executor, []).append(f)
+    names = {executor: "hvdhost%d" % i for i, executor in enumerate(by_executor)}
+    hosts = [HostInfo(names[executor], len(tasks)) for executor, tasks in by_executor.items()]
+    assignments = get_host_assignments(hosts, len(facts))
+    ordered = [f for tasks in by_executor.values() for f in tasks]
+    slots = []
+    for info, f in zip(assignments, ordered):
+        slots.append(
+            Slot(
+                rank=info.rank,
+                size=info.size,
+                local_rank=info.local_rank,
+                local_size=info.local_size,
+                cross_rank=info.cross_rank,
+                cross_size=info.cross_size,
+                hostname=info.hostname,
+                partition=f.partition,
+                executor=f.executor,
+                address=f.address,
+                task_pid=f.pid,
+                task_dir=f.task_dir,
+                gpus=f.gpus,
+                iface=f.iface,
+            )
+        )
+    return Plan(tuple(slots))
+
+
+def rank_env(slot: Slot) -> dict[str, str]:
+    """The ``HOROVOD_*`` contract of one rank (what ``horovodrun --gloo`` sets), plus its GPUs."""
+    env = {
+        "HOROVOD_HOSTNAME": slot.hostname,
+        "HOROVOD_RANK": str(slot.rank),
+        "HOROVOD_SIZE": str(slot.size),
+        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+    }
+    env.update(gpu_env(slot))
+    return env
+
+
+def gpu_env(slot: Slot) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` is exactly the task's GPU addresses, when it has any."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus)} if slot.gpus else {}
+
+
+def gloo_env(rendezvous_addr: str, rendezvous_port: int, iface: str, timeout_s: int) -> dict[str, str]:
+    """What every Gloo rank needs to find Horovod's rendezvous server."""
+    return {
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_addr,
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_IFACE": iface,
+        "NCCL_SOCKET_IFNAME": iface,
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": str(timeout_s),
+    }
+
+
+def slot_summary(plan: Plan) -> list[dict[str, Any]]:
+    return [dataclasses.asdict(s) for s in plan.slots]

@@ -1,0 +1,123 @@
+"""Child processes: argv lists only, their own process group, a parent-death watchdog, reaping.
+
+``python -m airflow_provider_horovod.runner.procs --watch PID -- argv...`` is the *reaper*: it
+runs ``argv`` in a new session and kills that whole session when ``PID`` (the Spark task that
+owns it) disappears or the reaper itself is told to stop. ``mpirun`` and ``orted`` are C programs
+with no watchdog of their own, so they always run under a reaper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import psutil
+
+WATCH_INTERVAL_S = 0.5
+TERM_GRACE_S = 2.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def spawn(argv: Sequence[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
+    """Start ``argv`` (a list, never a shell string) as the leader of a new session."""
+    if isinstance(argv, (str, bytes)):
+        raise TypeError("argv must be a list")
+    return subprocess.Popen(list(argv), env=env, start_new_session=True, close_fds=True, **kwargs)
+
+
+def kill_tree(proc: subprocess.Popen | int, grace_s: float = TERM_GRACE_S) -> None:
+    """SIGTERM a process's group and all its descendants, then SIGKILL what is left."""
+    pid = proc if isinstance(proc, int) else proc.pid
+    procs: list[psutil.Process] = []
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, left = psutil.wait_procs(procs, timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(left, timeout=grace_s)
+    if not isinstance(proc, int):
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=grace_s)
+
+
+def reaped(argv: Sequence[str], watch_pid: int) -> list[str]:
+    """The argv that runs ``argv`` under a reaper watching ``watch_pid``."""
+    return [sys.executable, "-m", "airflow_provider_horovod.runner.procs", "--watch", str(watch_pid), "--", *argv]
+
+
+def start_watchdog(pids: Iterable[int], on_death, interval_s: float = WATCH_INTERVAL_S) -> threading.Thread:
+    """Call ``on_death(pid)`` from a daemon thread as soon as any of ``pids`` is gone.
+
+    The parent of the calling process is watched too: if it changes, the parent died.
+    """
+    watched = [p for p in pids if p > 0]
+    parent = os.getppid()
+
+    def loop() -> None:
+        while True:
+            if os.getppid() != parent:
+                on_death(parent)
+                return
+            for pid in watched:
+                if not alive(pid):
+                    on_death(pid)
+                    return
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=loop, name="hvdrunner-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hvdrunner-reaper")
+    parser.add_argument("--watch", type=int, required=True)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    child = spawn(command, dict(os.environ))
+    done = threading.Event()
+
+    def stop(*_: object) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    start_watchdog([args.watch], lambda _pid: done.set())
+    while not done.is_set():
+        try:
+            code = child.wait(timeout=WATCH_INTERVAL_S)
+        except subprocess.TimeoutExpired:
+            continue
+        # The command ended; take down anything it left in its session.
+        kill_tree(child.pid, grace_s=0.5)
+        return code if code >= 0 else 128 - code
+    kill_tree(child)
+    return 143
+
+
+if __name__ == "__main__":
+    sys.exit(main())

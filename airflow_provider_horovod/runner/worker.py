@@ -1,0 +1,171 @@
+"""The rank process: ``python -m airflow_provider_horovod.runner.worker``.
+
+Started by a barrier task (Gloo) or by ``orted`` (mpirun). It finds its slot in the plan, arms
+a parent-death watchdog, captures its own stdout/stderr (file descriptors, so C++ output too) and
+streams the lines to the driver, unpickles the training function and calls it. Rank 0 writes its
+return value next to its task; a rank that raises reports its traceback and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ERROR_FILE = "rank-%d.error.json"
+RESULT_FILE = "result.pkl"
+FLUSH_INTERVAL_S = 0.2
+
+
+def _rank() -> int:
+    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    raise RuntimeError("the rank process was started without HOROVOD_RANK or OMPI_COMM_WORLD_RANK")
+
+
+class OutputPump:
+    """Redirects fds 1 and 2 into a pipe; a thread copies lines to the old stdout and the driver."""
+
+    def __init__(self, rank: int, client, stream: bool) -> None:
+        self.rank = rank
+        self.client = client
+        self.stream = stream
+        self.tail: collections.deque[str] = collections.deque(maxlen=100)
+        self._pending: list[str] = []
+        self._lock = threading.Lock()
+        read_fd, write_fd = os.pipe()
+        self._out = os.dup(1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(write_fd, 1)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        self._reader = threading.Thread(target=self._read, args=(read_fd,), daemon=True)
+        self._reader.start()
+        self._flusher = threading.Thread(target=self._flush_loop, daemon=True)
+        self._flusher.start()
+
+    def _read(self, fd: int) -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                if buf:
+                    self._line(buf)
+                self._flush()
+                return
+            with contextlib.suppress(OSError):
+                os.write(self._out, chunk)
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                self._line(line)
+
+    def _line(self, raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").rstrip("\r")
+        with self._lock:
+            self.tail.append(line)
+            if self.stream:
+                self._pending.append(line)
+
+    def _flush(self) -> None:
+        with self._lock:
+            lines, self._pending = self._pending, []
+        if lines and self.client is not None:
+            self.client.send({"t": "logs", "rank": self.rank, "lines": lines})
+
+    def _flush_loop(self) -> None:
+        while True:
+            time.sleep(FLUSH_INTERVAL_S)
+            self._flush()
+
+    def close(self) -> None:
+        """Drain what was printed so far (bounded wait) and send it."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(0.05)
+        self._flush()
+
+
+def _die(_pid: int) -> None:
+    # The task (or orted) that owns this rank is gone: take down what this rank started, then exit.
+    import psutil
+
+    with contextlib.suppress(Exception):
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+    os._exit(137)
+
+
+def main() -> int:
+    from airflow_provider_horovod import runtime
+    from airflow_provider_horovod.runner.channel import ChannelClient
+    from airflow_provider_horovod.runner.payload import load_payload
+    from airflow_provider_horovod.runner.plan import Plan, rank_env
+    from airflow_provider_horovod.runner.procs import start_watchdog
+
+    rank = _rank()
+    plan = Plan.from_json(Path(os.environ["HVDRUNNER_PLAN"]).read_text())
+    slot = plan.slots[rank]
+    start_watchdog([slot.task_pid], _die)
+
+    secret = bytes.fromhex(os.environ.pop("HVDRUNNER_SECRET", ""))
+    channel = os.environ.get("HVDRUNNER_CHANNEL", "")
+    address = None
+    if channel:
+        host, _, port = channel.rpartition(":")
+        address = (host, int(port))
+    client = ChannelClient(address, secret)
+    runtime._client = client
+    pump = OutputPump(rank, client, stream=os.environ.get("HVDRUNNER_VERBOSITY", "all") == "all")
+
+    os.environ.update(rank_env(slot))
+    os.environ["HVDRUNNER_TASK_DIR"] = slot.task_dir
+    task_dir = Path(slot.task_dir)
+    try:
+        fn, args, kwargs = load_payload(Path(os.environ["HVDRUNNER_PAYLOAD"]).read_bytes())
+        result = fn(*args, **kwargs)
+        if rank == 0:
+            import cloudpickle
+
+            tmp = task_dir / (RESULT_FILE + ".tmp")
+            tmp.write_bytes(cloudpickle.dumps(result))
+            os.replace(tmp, task_dir / RESULT_FILE)
+    except BaseException as err:  # noqa: BLE001 - every failure must reach the driver
+        text = traceback.format_exc()
+        sys.stderr.write(text)
+        pump.close()
+        report = {
+            "t": "error",
+            "rank": rank,
+            "host": slot.hostname,
+            "executor": slot.executor,
+            "exception": "%s: %s" % (type(err).__name__, err),
+            "traceback": text,
+            "tail": list(pump.tail),
+            "time": time.time(),
+        }
+        with contextlib.suppress(OSError):
+            (task_dir / (ERROR_FILE % rank)).write_text(json.dumps(report))
+        client.send_now(report)
+        client.close()
+        os._exit(1)
+    pump.close()
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

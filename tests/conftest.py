@@ -1,0 +1,74 @@
+"""Shared fixtures: one real ``local[2]`` SparkSession per test session, process checks."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import psutil
+import pytest
+
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+os.environ["PYSPARK_PYTHON"] = sys.executable
+os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+
+
+@pytest.fixture(scope="session")
+def spark():
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("airflow-provider-horovod-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.python.worker.reuse", "true")
+        .getOrCreate()
+    )
+    yield session
+    session.stop()
+
+
+RANK_PROCESS_MARKERS = ("airflow_provider_horovod.runner.worker", "orted", "mpirun", "airflow_provider_horovod.runner.procs")
+
+
+def run_processes() -> list[psutil.Process]:
+    """Rank processes, orted, mpirun and reapers started by the runner that are still alive."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "name", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(proc.info["cmdline"] or [])
+            name = proc.info["name"] or ""
+            if name in ("orted", "mpirun") or any(m in cmd for m in RANK_PROCESS_MARKERS[:1] + RANK_PROCESS_MARKERS[3:]):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def wait_no_run_processes(timeout: float = 10.0) -> list[str]:
+    """Wait until no runner process is left; return the command lines of those still there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = run_processes()
+        if not left or time.monotonic() > deadline:
+            out = []
+            for p in left:
+                try:
+                    out.append("%d %s" % (p.pid, " ".join(p.cmdline())))
+                except psutil.Error:
+                    pass
+            return out
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def no_leftover_processes():
+    """Asserts after the test that every rank, orted, mpirun and reaper is gone within 10 s."""
+    yield
+    left = wait_no_run_processes(10.0)
+    assert left == [], "processes left behind: %s" % left

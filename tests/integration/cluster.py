@@ -1,0 +1,104 @@
+"""A real Spark standalone cluster on 127.0.0.1, from PySpark's own ``spark-class``.
+
+One master and two workers, each worker with one core and two simulated GPUs found by a
+discovery script (worker A owns GPUs 0 and 1, worker B owns 2 and 3), so each executor is a
+separate host to the runner and each task gets its own GPU id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pyspark
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpu_script(path: Path, addresses: list[str]) -> Path:
+    path.write_text("#!/bin/sh\necho '%s'\n" % json.dumps({"name": "gpu", "addresses": addresses}))
+    path.chmod(0o755)
+    return path
+
+
+class StandaloneCluster:
+    def __init__(self, workdir: Path, workers: int = 2) -> None:
+        self.workdir = workdir
+        self.spark_home = Path(pyspark.__file__).parent
+        self.port = free_port()
+        self.ui_port = free_port()
+        self.master = "spark://127.0.0.1:%d" % self.port
+        self.procs: list[subprocess.Popen] = []
+        self.n_workers = workers
+        self.app_gpu_script = gpu_script(workdir / "gpus-app.sh", ["0", "1", "2", "3"])
+
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"SPARK_HOME": str(self.spark_home), "SPARK_LOCAL_IP": "127.0.0.1",
+                    "PYSPARK_PYTHON": sys.executable, "SPARK_NO_DAEMONIZE": "1"})
+        env.update(extra or {})
+        return env
+
+    def _start(self, args: list[str], name: str, env: dict[str, str]) -> None:
+        log = (self.workdir / ("%s.log" % name)).open("wb")
+        self.procs.append(subprocess.Popen([str(self.spark_home / "bin" / "spark-class"), *args], env=env,
+                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def start(self) -> StandaloneCluster:
+        self._start(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--webui-port", str(self.ui_port)], "master", self._env())
+        for i in range(self.n_workers):
+            script = gpu_script(self.workdir / ("gpus-worker%d.sh" % i), [str(2 * i), str(2 * i + 1)])
+            opts = "-Dspark.worker.resource.gpu.amount=2 -Dspark.worker.resource.gpu.discoveryScript=%s" % script
+            work = self.workdir / ("work%d" % i)
+            work.mkdir()
+            self._start(["org.apache.spark.deploy.worker.Worker", self.master, "--host", "127.0.0.1", "--cores", "1",
+                         "--memory", "1g", "--webui-port", str(free_port()), "--work-dir", str(work)],
+                        "worker%d" % i, self._env({"SPARK_WORKER_OPTS": opts}))
+        self._wait_for_workers()
+        return self
+
+    def _wait_for_workers(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                state = json.load(urllib.request.urlopen("http://127.0.0.1:%d/json/" % self.ui_port, timeout=2))
+                if sum(1 for w in state.get("workers", []) if w.get("state") == "ALIVE") >= self.n_workers:
+                    return
+            time.sleep(0.5)
+        raise RuntimeError("standalone cluster did not come up; see logs in %s" % self.workdir)
+
+    def app_conf(self) -> dict[str, str]:
+        return {
+            "spark.executor.cores": "1",
+            "spark.executor.memory": "768m",
+            "spark.cores.max": str(self.n_workers),
+            "spark.executor.resource.gpu.amount": "1",
+            "spark.executor.resource.gpu.discoveryScript": str(self.app_gpu_script),
+            "spark.task.resource.gpu.amount": "1",
+            "spark.ui.enabled": "false",
+        }
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)

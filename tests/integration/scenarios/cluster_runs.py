@@ -1,0 +1,36 @@
+"""Runs np=2 jobs on a standalone cluster (its own SparkSession, in its own process).
+
+usage: python -m tests.integration.scenarios.cluster_runs MASTER CONF_JSON OUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    master, conf, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    from pyspark.sql import SparkSession
+
+    from airflow_provider_horovod import HorovodRunner
+    from tests.integration import jobs
+
+    builder = SparkSession.builder.master(master).appName("hvdrunner-cluster-tests")
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    results = {}
+    try:
+        for launcher in ("mpirun", "gloo"):
+            runner = HorovodRunner(2, launcher=launcher, spark=spark)
+            result = runner.run(jobs.allreduce_job, tag=launcher)
+            results[launcher] = {"result": result, "events": runner.last_run["events"]}
+    finally:
+        spark.stop()
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

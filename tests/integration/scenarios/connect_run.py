@@ -1,0 +1,31 @@
+"""Runs an np=2 Gloo job through a real Spark Connect session (a local Connect server).
+
+usage: python -m tests.integration.scenarios.connect_run OUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main() -> None:
+    from pyspark.sql import SparkSession
+
+    from airflow_provider_horovod import HorovodRunner
+    from tests.integration import jobs
+
+    spark = SparkSession.builder.remote("local[2]").getOrCreate()
+    try:
+        assert type(spark).__module__.startswith("pyspark.sql.connect"), type(spark)
+        runner = HorovodRunner(2, launcher="gloo", spark=spark)
+        result = runner.run(jobs.allreduce_job, tag="connect")
+        out = {"result": result, "session": type(spark).__module__}
+    finally:
+        spark.stop()
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The engine on a real Spark standalone cluster (two executors = two hosts) and on Spark Connect."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.cluster import StandaloneCluster
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run_module(module: str, *args: str, timeout: float = 300) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster_runs(cluster, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cluster-out") / "runs.json"
+    _run_module("tests.integration.scenarios.cluster_runs", cluster.master, json.dumps(cluster.app_conf()), str(out))
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_two_executors_are_two_hosts_with_one_rank_each(cluster_runs, launcher):
+    result = cluster_runs[launcher]["result"]
+    assert result["sum"] == 3.0
+    layout = [(r["rank"], r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) for r in result["ranks"]]
+    assert layout == [(0, 0, 1, 0, 2), (1, 0, 1, 1, 2)]
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_each_rank_sees_exactly_its_own_tasks_gpu(cluster_runs, launcher):
+    devices = [r["cuda_visible_devices"] for r in cluster_runs[launcher]["result"]["ranks"]]
+    plan = next(e for e in cluster_runs[launcher]["events"] if e.get("kind") == "plan")
+    assert devices == [",".join(slot["gpus"]) for slot in plan["slots"]]
+    assert all(d is not None and len(d.split(",")) == 1 for d in devices)
+    assert len(set(devices)) == 2  # two executors, two different GPUs
+
+
+def test_mpirun_reaches_the_second_executor_through_the_exec_service(cluster_runs):
+    events = cluster_runs["mpirun"]["events"]
+    launched = {e["executor"] for e in events if e.get("kind") == "orted-launched"}
+    assert len(launched) == 2  # orted was started by the exec service in each executor's task
+    ranks = cluster_runs["mpirun"]["result"]["ranks"]
+    assert ranks[0]["pid"] != ranks[1]["pid"]
+
+
+def test_spark_connect_session_runs_gloo_and_returns_rank_zeros_value(tmp_path):
+    out = tmp_path / "connect.json"
+    _run_module("tests.integration.scenarios.connect_run", str(out))
+    got = json.loads(out.read_text())
+    assert got["session"].startswith("pyspark.sql.connect")
+    assert got["result"]["tag"] == "connect" and got["result"]["sum"] == 3.0

@@ -1,0 +1,152 @@
+"""The engine on a real ``local[2]`` SparkSession with real Horovod ranks and real mpirun."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from airflow_provider_horovod import HorovodRunError, HorovodRunner, PayloadError, RunCancelledError
+from tests.conftest import wait_no_run_processes
+from tests.integration import jobs
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_two_ranks_return_rank_zeros_value(spark, launcher):
+    runner = HorovodRunner(2, launcher=launcher, spark=spark)
+    result = runner.run(jobs.allreduce_job, tag=launcher)
+    assert result["tag"] == launcher
+    assert result["sum"] == 3.0  # 1 + 2: both ranks took part in the allreduce
+    ranks = result["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert {r["size"] for r in ranks} == {2}
+    # local[2]: one executor, so one host with two local ranks
+    assert [(r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) for r in ranks] == [(0, 2, 0, 1), (1, 2, 0, 1)]
+    assert {r["controller"] for r in ranks} == {"mpi" if launcher == "mpirun" else "gloo"}
+    assert runner.last_run["result"] == result
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_negative_np_runs_local_processes_without_a_spark_job(launcher):
+    from pyspark.sql import SparkSession
+
+    before = SparkSession.getActiveSession()
+    jobs_before = before.sparkContext.statusTracker().getJobIdsForGroup() if before else None
+    result = HorovodRunner(-2, launcher=launcher).run(jobs.allreduce_job, tag="local")
+    assert result["sum"] == 3.0 and [r["rank"] for r in result["ranks"]] == [0, 1]
+    if before is not None:
+        assert before.sparkContext.statusTracker().getJobIdsForGroup() == jobs_before
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_distributed_optimizer_step_keeps_ranks_in_sync(spark, launcher):
+    weights = HorovodRunner(2, launcher=launcher, spark=spark).run(jobs.optimizer_step_job, lr=0.05)
+    assert len(weights) == 2
+    assert weights[0] == weights[1]  # broadcast + averaged gradients: identical after the step
+
+
+def test_all_verbosity_streams_every_ranks_lines_tagged_with_rank(spark, caplog):
+    caplog.set_level(logging.INFO, logger="airflow_provider_horovod.ranks")
+    HorovodRunner(2, launcher="gloo", spark=spark).run(jobs.log_job)
+    text = caplog.text
+    assert "[rank 0] plain print from rank 0" in text
+    assert "[rank 1] plain print from rank 1" in text
+    assert "[rank 1] callback from rank 1" in text
+
+
+def test_log_callback_only_streams_only_log_to_driver(spark, caplog):
+    caplog.set_level(logging.INFO, logger="airflow_provider_horovod.ranks")
+    result = HorovodRunner(2, launcher="mpirun", driver_log_verbosity="log_callback_only", spark=spark).run(jobs.log_job)
+    assert result == (0, 2)
+    assert "[rank 0] callback from rank 0" in caplog.text
+    assert "[rank 1] callback from rank 1" in caplog.text
+    assert "plain print" not in caplog.text
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_rank_failure_surfaces_remote_traceback(spark, launcher):
+    started = time.monotonic()
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(2, launcher=launcher, spark=spark).run(jobs.failing_job, fail_rank=1)
+    assert time.monotonic() - started < 30
+    err = info.value
+    assert err.rank == 1
+    assert err.host == "hvdhost0"
+    assert "ValueError: boom from rank 1" in str(err)
+    assert "failing_job" in err.remote_traceback  # the frame of the user's function
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_rank_killed_with_sigkill_ends_the_run(spark, launcher):
+    started = time.monotonic()
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(2, launcher=launcher, spark=spark).run(jobs.sigkill_job, victim=1)
+    assert time.monotonic() - started < 30
+    assert info.value.rank == 1
+    assert "SIGKILL" in str(info.value) or "signal 9" in str(info.value)
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_rank_that_hangs_after_another_failed_is_ended(spark, launcher):
+    started = time.monotonic()
+    with pytest.raises(HorovodRunError, match="rank 0 gives up"):
+        HorovodRunner(2, launcher=launcher, spark=spark).run(jobs.hang_after_failure_job)
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_cancel_mid_training_interrupts_the_job_and_leaves_no_process(spark, launcher, tmp_path):
+    runner = HorovodRunner(2, launcher=launcher, spark=spark)
+    marker = tmp_path / "training"
+    errors = []
+
+    def run():
+        try:
+            runner.run(jobs.slow_job, steps=100000, marker=str(marker))
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), "training never started"
+    runner.cancel()
+    cancelled_at = time.monotonic()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], RunCancelledError)
+    assert wait_no_run_processes(10.0 - (time.monotonic() - cancelled_at) + 2) == []
+    assert spark.sparkContext.statusTracker().getActiveJobsIds() == []
+
+
+def test_unpicklable_kwarg_fails_before_any_spark_job(spark):
+    tracker = spark.sparkContext.statusTracker()
+    jobs_before = set(tracker.getJobIdsForGroup())
+    with pytest.raises(PayloadError, match="keyword argument 'lock'"):
+        HorovodRunner(2, spark=spark).run(jobs.allreduce_job, lock=threading.Lock())
+    assert set(tracker.getJobIdsForGroup()) == jobs_before
+
+
+def test_reference_string_runs_and_a_bad_one_fails_early(spark):
+    result = HorovodRunner(2, launcher="gloo", spark=spark).run("tests.integration.jobs:allreduce_job", tag="ref")
+    assert result["tag"] == "ref" and result["sum"] == 3.0
+    with pytest.raises(PayloadError, match="Cannot import module 'tests.integration.nope'"):
+        HorovodRunner(2, spark=spark).run("tests.integration.nope:train")
+
+
+def test_np_larger_than_the_slots_fails_within_start_timeout_naming_the_slots(spark):
+    started = time.monotonic()
+    with pytest.raises(HorovodRunError, match="the cluster has 2"):
+        HorovodRunner(3, spark=spark, start_timeout=3).run(jobs.allreduce_job)
+    assert time.monotonic() - started < 15
+
+
+def test_mpirun_missing_on_the_executor_is_a_clear_error(spark):
+    with pytest.raises(HorovodRunError, match="mpirun and orted not found on executor"):
+        HorovodRunner(2, spark=spark, env={"PATH": "/nonexistent"}).run(jobs.allreduce_job)

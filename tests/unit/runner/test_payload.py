@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import threading
+
+import cloudpickle
+import pytest
+
+from airflow_provider_horovod.exceptions import PayloadError
+from airflow_provider_horovod.runner.payload import build_payload, load_payload, resolve_callable
+
+
+def test_reference_string_resolves_to_the_function():
+    fn = resolve_callable("json:dumps")
+    import json
+
+    assert fn is json.dumps
+
+
+@pytest.mark.parametrize(
+    ("ref", "says"),
+    [
+        ("no_such_package_xyz.mod:fn", "Cannot import module 'no_such_package_xyz.mod'"),
+        ("json:no_such_function", "has no attribute 'no_such_function'"),
+        ("json", "'package.module:function'"),
+        ("json:__doc__", "not a callable"),
+    ],
+)
+def test_bad_reference_string_says_what_is_wrong(ref, says):
+    with pytest.raises(PayloadError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        build_payload(ref)
+
+
+def test_unpicklable_closure_is_named_before_anything_runs():
+    lock = threading.Lock()
+
+    def train():
+        with lock:
+            return 1
+
+    with pytest.raises(PayloadError, match="closure variable 'lock'"):
+        build_payload(train)
+
+
+def test_unpicklable_kwarg_is_named():
+    def train(handle):
+        return handle
+
+    with pytest.raises(PayloadError, match="keyword argument 'handle'"):
+        build_payload(train, (), {"handle": threading.Lock()})
+
+
+def test_function_from_a_non_installed_module_travels_by_value(tmp_path, monkeypatch):
+    # A module that only the driver can import (a notebook, a DAG file): the payload must not
+    # refer to it by name.
+    (tmp_path / "only_on_driver_mod.py").write_text("def train(x):\n    return x * 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import only_on_driver_mod
+
+    data = build_payload(only_on_driver_mod.train, (), {"x": 21})
+    assert b"only_on_driver_mod" in data  # the name is there as metadata...
+    monkeypatch.delitem(__import__("sys").modules, "only_on_driver_mod")
+    monkeypatch.syspath_prepend("/nonexistent")
+    import sys
+
+    sys.path.remove(str(tmp_path))
+    fn, args, kwargs = load_payload(data)  # ...but loading it needs no import of the module
+    assert fn(*args, **kwargs) == 42
+
+
+def test_installed_function_travels_by_reference():
+    import json
+
+    fn, _, _ = cloudpickle.loads(build_payload(json.dumps))
+    assert fn is json.dumps

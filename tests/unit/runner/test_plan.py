@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import pytest
+
+from airflow_provider_horovod.runner.plan import TaskFacts, gloo_env, make_plan, rank_env
+
+
+def facts(partition: int, executor: str, gpus: tuple[str, ...] = ()) -> TaskFacts:
+    return TaskFacts(partition=partition, executor=executor, address="10.0.0.%d" % partition, pid=100 + partition,
+                     task_dir="/tmp/p%d" % partition, python="3.11.7", gpus=gpus)
+
+
+def test_partition_zero_is_rank_zero_and_ranks_are_contiguous_per_host():
+    # Spark may place partitions on executors in any order.
+    plan = make_plan([facts(3, "b:1"), facts(0, "a:1"), facts(1, "b:1"), facts(2, "a:1")])
+    assert [(s.rank, s.partition, s.hostname) for s in plan.slots] == [
+        (0, 0, "hvdhost0"), (1, 2, "hvdhost0"), (2, 1, "hvdhost1"), (3, 3, "hvdhost1"),
+    ]
+    assert [name for name, _ in plan.hosts] == ["hvdhost0", "hvdhost1"]
+
+
+def test_local_and_cross_ranks_match_horovod_for_uneven_hosts():
+    plan = make_plan([facts(0, "a:1"), facts(1, "a:1"), facts(2, "a:1"), facts(3, "b:1")])
+    layout = [(s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size) for s in plan.slots]
+    # Horovod's get_host_assignments: local rank 0 exists on both hosts, 1 and 2 only on host a.
+    assert layout == [(0, 0, 3, 0, 2), (1, 1, 3, 0, 1), (2, 2, 3, 0, 1), (3, 0, 1, 1, 2)]
+
+
+def test_rank_env_carries_the_horovod_contract_and_exactly_the_tasks_gpus():
+    plan = make_plan([facts(0, "a:1", gpus=("3",)), facts(1, "b:1", gpus=("0", "1"))])
+    env0, env1 = rank_env(plan.slots[0]), rank_env(plan.slots[1])
+    assert env0["HOROVOD_RANK"] == "0" and env1["HOROVOD_RANK"] == "1"
+    assert env0["HOROVOD_SIZE"] == env1["HOROVOD_SIZE"] == "2"
+    assert env1["HOROVOD_CROSS_RANK"] == "1" and env1["HOROVOD_HOSTNAME"] == "hvdhost1"
+    assert env0["CUDA_VISIBLE_DEVICES"] == "3" and env1["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert "CUDA_VISIBLE_DEVICES" not in rank_env(make_plan([facts(0, "a:1")]).slots[0])
+
+
+def test_gloo_env_points_at_the_rendezvous_server():
+    env = gloo_env("10.0.0.1", 4242, "eth0", 60)
+    assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.1"
+    assert env["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "4242"
+    assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo"
+    assert env["HOROVOD_GLOO_IFACE"] == "eth0"
+
+
+def test_plan_round_trips_through_json():
+    plan = make_plan([facts(0, "a:1", gpus=("0",)), facts(1, "a:1", gpus=("1",))])
+    from airflow_provider_horovod.runner.plan import Plan
+
+    assert Plan.from_json(plan.to_json()) == plan
+    f = facts(1, "b:2", gpus=("7",))
+    assert TaskFacts.from_json(f.to_json()) == f
+
+
+def test_empty_plan_is_refused():
+    with pytest.raises(ValueError):
+        make_plan([])

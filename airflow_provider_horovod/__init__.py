@@ -13,8 +13,6 @@ from airflow_provider_horovod.exceptions import (
     PayloadError,
     RunCancelledError,
 )
-from airflow_provider_horovod.runner.runner import HorovodRunner
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -26,3 +24,13 @@ __all__ = [
     "RunCancelledError",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # The engine is imported on first use, so that ``python -m airflow_provider_horovod.runner.*``
+    # entry points (rank processes, reapers) start without importing it twice.
+    if name == "HorovodRunner":
+        from airflow_provider_horovod.runner.runner import HorovodRunner
+
+        return HorovodRunner
+    raise AttributeError(name)

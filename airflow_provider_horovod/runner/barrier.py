@@ -172,8 +172,8 @@ def mpirun_failure(plan: Plan, code: int, tail: list[str]) -> dict[str, Any]:
     if reports:
         return min(reports, key=lambda r: r.get("time", 0))
     rank = None
-    text = "\n".join(tail)
-    match = re.search(r"process rank (\d+)", text) or re.search(r"rank (\d+)", text)
+    noticed = next((line.strip() for line in tail if "noticed that process rank" in line), "")
+    match = re.search(r"process rank (\d+)", noticed)
     if match:
         rank = int(match.group(1))
     slot = plan.slots[rank] if rank is not None and rank < plan.size else None
@@ -182,7 +182,7 @@ def mpirun_failure(plan: Plan, code: int, tail: list[str]) -> dict[str, Any]:
         "rank": rank,
         "host": slot.hostname if slot else None,
         "executor": slot.executor if slot else None,
-        "exception": "mpirun exited with code %d" % code,
+        "exception": noticed or "mpirun exited with code %d" % code,
         "traceback": "",
         "tail": tail,
         "time": time.time(),
@@ -232,6 +232,13 @@ def check_facts(spec: RunSpec, facts: list[TaskFacts]) -> None:
             )
 
 
+def abort_task() -> None:
+    """The driver hung up mid-run (cancelled, or gone): stop every process of this task, then the
+    task's Python worker itself, as Spark would after its kill timeout."""
+    procs.kill_all()
+    os._exit(1)
+
+
 def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
     """The whole life of one barrier task. Returns the rows it contributes to the stage's result."""
     from airflow_provider_horovod.runner.gloo import Rendezvous
@@ -241,7 +248,7 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
     executor = ctx.getTaskInfos()[partition].address
     address = _reachable_address(executor)
     task_dir = Path(tempfile.mkdtemp(prefix="hvdrunner-%s-p%d-" % (spec.run_id, partition)))
-    client = ChannelClient(spec.channel, spec.secret)
+    client = ChannelClient(spec.channel, spec.secret, on_lost=abort_task)
     client.send({"t": "event", "kind": "task-started", "partition": partition, "executor": executor})
     service = rendezvous = None
     try:

@@ -45,6 +45,7 @@ class Channel:
         self.started: set[int] = set()
         self.started_event = threading.Event()
         self.expected_tasks = 0
+        self._conns: set[wire.ServerConnection] = set()
 
     def start(self, host: str) -> tuple[str, int] | None:
         try:
@@ -57,10 +58,17 @@ class Channel:
         return self.address
 
     def close(self) -> None:
+        """Stop listening and hang up on every client; tasks still running take that as cancel."""
         self._closed.set()
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -72,6 +80,8 @@ class Channel:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: wire.ServerConnection) -> None:
+        with self._lock:
+            self._conns.add(conn)
         try:
             while True:
                 self.handle(conn.recv())
@@ -82,6 +92,8 @@ class Channel:
         except (ConnectionError, OSError, ValueError):
             pass
         finally:
+            with self._lock:
+                self._conns.discard(conn)
             conn.close()
 
     def handle(self, msg: dict[str, Any]) -> None:
@@ -116,7 +128,17 @@ class Channel:
 class ChannelClient:
     """A non-blocking sender: ``send`` queues, a daemon thread writes. Never raises to its caller."""
 
-    def __init__(self, address: tuple[str, int] | None, secret: bytes, *, connect_timeout: float = 3.0) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int] | None,
+        secret: bytes,
+        *,
+        connect_timeout: float = 3.0,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        """``on_lost`` is called (from a daemon thread) if the driver hangs up before ``close()``:
+        the driver was cancelled or died, and whatever this client's process runs must stop."""
+        self._closing = False
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=10000)
         self._conn: wire.ClientConnection | None = None
         self._thread: threading.Thread | None = None
@@ -129,6 +151,14 @@ class ChannelClient:
             return
         self._thread = threading.Thread(target=self._loop, name="hvdrunner-channel-client", daemon=True)
         self._thread.start()
+        if on_lost is not None:
+            threading.Thread(target=self._watch, args=(self._conn, on_lost), daemon=True).start()
+
+    def _watch(self, conn: wire.ClientConnection, on_lost: Callable[[], None]) -> None:
+        with contextlib.suppress(Exception):
+            conn.recv()  # the driver never sends: this returns only when it hangs up
+        if not self._closing:
+            on_lost()
 
     @property
     def connected(self) -> bool:
@@ -167,6 +197,7 @@ class ChannelClient:
                 self._queue.task_done()
 
     def close(self, timeout: float = 5.0) -> None:
+        self._closing = True
         if self._conn is None:
             return
         self.flush(timeout)

@@ -178,7 +178,7 @@ def mpirun_argv(
         hosts = ",".join("%s:%d" % (name, len(slots)) for name, slots in plan.hosts)
         argv += ["-np", str(plan.size), "-H", hosts]
         argv += ["-mca", "plm_rsh_agent", str(agent), "-mca", "plm_rsh_no_tree_spawn", "1"]
-    argv += ["-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "self,tcp,vader"]
+    argv += ["--leave-session-attached", "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "self,tcp,vader"]
     if iface:
         argv += ["-mca", "btl_tcp_if_include", iface, "-mca", "oob_tcp_if_include", iface]
     for name in env_names:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 
 import psutil
@@ -32,11 +33,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+_children: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
+
+
 def spawn(argv: Sequence[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
     """Start ``argv`` (a list, never a shell string) as the leader of a new session."""
     if isinstance(argv, (str, bytes)):
         raise TypeError("argv must be a list")
-    return subprocess.Popen(list(argv), env=env, start_new_session=True, close_fds=True, **kwargs)
+    proc = subprocess.Popen(list(argv), env=env, start_new_session=True, close_fds=True, **kwargs)
+    _children.add(proc)
+    return proc
+
+
+def kill_all(grace_s: float = 1.0) -> None:
+    """Kill every process tree this process started with ``spawn`` that is still running."""
+    for proc in list(_children):
+        if proc.poll() is None:
+            kill_tree(proc, grace_s=grace_s)
 
 
 def kill_tree(proc: subprocess.Popen | int, grace_s: float = TERM_GRACE_S) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import cloudpickle
 
 from airflow_provider_horovod.exceptions import HorovodRunError, InsufficientSlotsError, RunCancelledError
-from airflow_provider_horovod.runner import wire
+from airflow_provider_horovod.runner import procs, wire
 from airflow_provider_horovod.runner.barrier import RunSpec, TaskFailure, parse_failure, run_local, run_task
 from airflow_provider_horovod.runner.channel import Channel
 from airflow_provider_horovod.runner.payload import build_payload, describe
@@ -150,7 +150,7 @@ class HorovodRunner:
 
         thread = threading.Thread(target=target, name="hvdrunner-local", daemon=True)
         thread.start()
-        self._wait(thread, channel, cancel=lambda: None)
+        self._wait(thread, channel, cancel=procs.kill_all)
         if "error" in box:
             err = box["error"]
             if isinstance(err, TaskFailure):
@@ -192,8 +192,14 @@ class HorovodRunner:
 
         thread = threading.Thread(target=target, name="hvdrunner-job-%s" % run_id, daemon=True)
         thread.start()
+
+        def cancel() -> None:
+            channel.close()  # tasks take the hang-up as cancel and stop their processes at once
+            with contextlib.suppress(Exception):
+                spark.interruptTag(tag)
+
         try:
-            self._wait(thread, channel, cancel=lambda: spark.interruptTag(tag), started_by=address is not None)
+            self._wait(thread, channel, cancel=cancel, started_by=address is not None)
         finally:
             self._session = self._tag = None
         if "error" in box:

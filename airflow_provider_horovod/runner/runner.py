@@ -323,9 +323,20 @@ class HorovodRunner:
             return RunCancelledError("The Horovod job was cancelled; the Spark job was interrupted.")
         if channel.errors:
             return self._error(channel.errors[0], channel)
-        report = parse_failure(str(err))
+        text = str(err)
+        report = parse_failure(text)
         if report is not None:
             return self._error(report, channel)
+        if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
+            import re
+
+            found = re.search(r"different version \(?([\d, .]+)\)? than that in driver ([\d.]+)", text)
+            executor = found.group(1).replace(", ", ".").strip() if found else "another version"
+            return HorovodRunError(
+                "Python %s on the executors differs from the driver's %s. Point PYSPARK_PYTHON (or "
+                "spark.pyspark.python) at the same Python version on the driver and the executors."
+                % (executor, platform.python_version())
+            )
         return HorovodRunError("The Spark job running the Horovod ranks failed: %s" % str(err).strip()[:4000])
 
     @contextlib.contextmanager

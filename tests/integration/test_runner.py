@@ -150,3 +150,128 @@ def test_np_larger_than_the_slots_fails_within_start_timeout_naming_the_slots(sp
 def test_mpirun_missing_on_the_executor_is_a_clear_error(spark):
     with pytest.raises(HorovodRunError, match="mpirun and orted not found on executor"):
         HorovodRunner(2, spark=spark, env={"PATH": "/nonexistent"}).run(jobs.allreduce_job)
+
+
+def _task_python_workers() -> list:
+    """The Spark Python workers that are running a barrier task of the runner right now."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "pyspark.daemon" not in " ".join(proc.info["cmdline"] or []):
+                continue
+            if any("airflow_provider_horovod" in " ".join(c.cmdline()) for c in proc.children()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_rank_exits_when_its_spark_task_dies(spark, launcher, tmp_path):
+    import signal
+
+    runner = HorovodRunner(2, launcher=launcher, spark=spark)
+    marker = tmp_path / "training"
+    errors = []
+
+    def run():
+        try:
+            runner.run(jobs.slow_job, steps=100000, marker=str(marker))
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    victims = _task_python_workers()
+    assert victims, "no barrier task found running ranks"
+    victims[0].send_signal(signal.SIGKILL)  # as if the executor lost the task's Python worker
+    killed_at = time.monotonic()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], HorovodRunError)
+    assert wait_no_run_processes(10.0 - (time.monotonic() - killed_at) + 5) == []
+
+
+def test_secret_never_appears_in_argv_logs_or_spark_conf(spark, monkeypatch, tmp_path, caplog, capfd):
+    import psutil
+
+    from airflow_provider_horovod.runner import runner as runner_module
+
+    secret = bytes(range(32))
+    monkeypatch.setattr(runner_module.wire, "new_secret", lambda: secret)
+    caplog.set_level(logging.DEBUG)
+    runner = HorovodRunner(2, launcher="mpirun", spark=spark)
+    marker = tmp_path / "training"
+    thread = threading.Thread(target=lambda: pytest.raises(RunCancelledError, runner.run, jobs.slow_job,
+                                                           steps=100000, marker=str(marker)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    argvs = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            argvs.append(" ".join(proc.info["cmdline"] or []))
+        except psutil.Error:
+            pass
+    runner.cancel()
+    thread.join(30)
+    assert any("airflow_provider_horovod.runner.worker" in a for a in argvs)  # we looked while it ran
+    for text in (*argvs, caplog.text, *capfd.readouterr(), str(spark.sparkContext.getConf().getAll())):
+        assert secret.hex() not in text
+        assert secret.hex().upper() not in text
+
+
+def _one_run(tmp_path, conf: dict, **env: str) -> dict:
+    """Run one job in a SparkSession of its own (another process), built with ``conf``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.scenarios.one_run", "local[2]", json.dumps(conf), str(out)],
+        cwd=root, env=dict(os.environ, PYTHONPATH=str(root), **env), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _other_python() -> str | None:
+    import glob
+    import os
+    import shutil
+    import subprocess
+
+    candidates = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[023]*/bin/python3.1[023]")))
+    candidates += [p for p in (shutil.which("python3.12"), shutil.which("python3.10")) if p]
+    for p in candidates:
+        check = "import sys; assert sys.version_info[:2] != (3, 11)"
+        if subprocess.run([p, "-c", check], capture_output=True).returncode == 0:
+            return p
+    return None
+
+
+def test_python_version_mismatch_says_what_to_fix(tmp_path):
+    other = _other_python()
+    if other is None:
+        pytest.skip("no second Python version on this machine")
+    got = _one_run(tmp_path, {}, PYSPARK_PYTHON=other)  # the executors' Python, not the driver's
+    assert got["error_type"] == "HorovodRunError"
+    assert "differs from the driver's" in got["message"] and "PYSPARK_PYTHON" in got["message"]
+
+
+def test_dynamic_allocation_is_refused_before_any_spark_job(tmp_path):
+    got = _one_run(tmp_path, {"spark.dynamicAllocation.enabled": "true",
+                              "spark.dynamicAllocation.shuffleTracking.enabled": "true"})
+    assert got["error_type"] == "HorovodRunError"
+    assert "spark.dynamicAllocation.enabled=false" in got["message"]
+    assert got["spark_jobs"] == 0

@@ -45,4 +45,13 @@ class PayloadError(ValueError):
 
 
 class ArtifactError(RuntimeError):
-    """Artifacts could not be written or read; the message names the path."""
+    """Artifacts could not be written or read; the message names the path.
+
+    :param result: rank 0's return value, when the run itself succeeded before the problem.
+    """
+
+    def __init__(self, message: str, *, result: object = None) -> None:
+        self.result = result
+        if result is not None:
+            message += " Rank 0's result was: %r" % (result,)
+        super().__init__(message)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+import uuid
 
 import psutil
 import pytest
 
+# Every process this test session starts (executors, ranks, orted) inherits this marker, so the
+# leftover checks below see only our own processes, not those of another session on the machine.
+TEST_SESSION = os.environ.setdefault("HVDRUNNER_TEST_SESSION", uuid.uuid4().hex)
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
@@ -34,12 +38,19 @@ def spark():
 RANK_PROCESS_MARKERS = ("airflow_provider_horovod.runner.worker", "orted", "mpirun", "airflow_provider_horovod.runner.procs")
 
 
+def ours(proc: psutil.Process) -> bool:
+    try:
+        return proc.environ().get("HVDRUNNER_TEST_SESSION") == TEST_SESSION
+    except psutil.Error:
+        return False
+
+
 def run_processes() -> list[psutil.Process]:
-    """Rank processes, orted, mpirun and reapers started by the runner that are still alive."""
+    """Rank processes, orted, mpirun and reapers started by this test session that are still alive."""
     found = []
     for proc in psutil.process_iter(["cmdline", "name", "status"]):
         try:
-            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or not ours(proc):
                 continue
             cmd = " ".join(proc.info["cmdline"] or [])
             name = proc.info["name"] or ""

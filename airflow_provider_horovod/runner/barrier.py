@@ -45,6 +45,10 @@ class RunSpec:
     driver_python: str
     start_timeout: float
     gloo_timeout_s: int = 60
+    timeline: bool = False
+    collect_artifacts: bool = False
+    has_resume: bool = False
+    resume_local: str | None = None  # np < 0: the folder itself, on the driver
 
 
 class TaskFailure(RuntimeError):
@@ -80,6 +84,7 @@ def _signal_name(code: int) -> str:
 def base_env(spec: RunSpec, plan_path: Path, payload_path: Path) -> dict[str, str]:
     """The environment of every rank process this host starts (values never reach a shell)."""
     env = dict(os.environ)
+    env.pop("HOROVOD_TIMELINE", None)  # only ``timeline=True`` turns it on (it costs throughput)
     env.update(spec.env)
     env.update(
         {
@@ -89,9 +94,47 @@ def base_env(spec: RunSpec, plan_path: Path, payload_path: Path) -> dict[str, st
             "HVDRUNNER_CHANNEL": "%s:%d" % spec.channel if spec.channel else "",
             "HVDRUNNER_VERBOSITY": spec.verbosity,
             "PYTHONUNBUFFERED": "1",
+            "HVDRUNNER_TIMELINE": "1" if spec.timeline else "0",
+            "HVDRUNNER_HAS_RESUME": "1" if spec.has_resume and not spec.resume_local else "0",
         }
     )
+    if spec.resume_local:
+        env["HVDRUNNER_RESUME_DIR"] = spec.resume_local
     return env
+
+
+def upload_artifacts(spec: RunSpec, task_dir: Path) -> None:
+    """Stream rank 0's artifacts (checkpoints, timeline) to the driver; bounded, never raises."""
+    from airflow_provider_horovod.runner import wire
+    from airflow_provider_horovod.runner.artifacts import send_tree
+
+    if not spec.collect_artifacts or spec.channel is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        conn = wire.connect(spec.channel, spec.secret, timeout=10)
+        try:
+            conn.send({"t": "put"})
+            send_tree(conn, task_dir / "artifacts")
+            conn.sock.settimeout(60)
+            conn.recv()  # the driver's receipt
+        finally:
+            conn.close()
+
+
+def fetch_resume(spec: RunSpec, dest: Path) -> None:
+    """Copy the driver's ``resume_from`` folder to ``dest`` on this host."""
+    from airflow_provider_horovod.runner import wire
+    from airflow_provider_horovod.runner.artifacts import receive_tree
+
+    if spec.channel is None:
+        raise TaskFailure({"message": "resume_from needs the executors to reach the driver, and they cannot here. "
+                                      "Put the checkpoint where the training function can read it and pass its path instead."})
+    conn = wire.connect(spec.channel, spec.secret, timeout=10)
+    try:
+        conn.send({"t": "fetch-resume"})
+        receive_tree(conn, dest)
+    finally:
+        conn.close()
 
 
 def _tail(path: Path, n: int = TAIL_LINES) -> list[str]:
@@ -248,7 +291,7 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
     executor = ctx.getTaskInfos()[partition].address
     address = _reachable_address(executor)
     task_dir = Path(tempfile.mkdtemp(prefix="hvdrunner-%s-p%d-" % (spec.run_id, partition)))
-    client = ChannelClient(spec.channel, spec.secret, on_lost=abort_task)
+    client = ChannelClient(spec.channel, spec.secret, on_lost=abort_task, on_stop=procs.kill_all)
     client.send({"t": "event", "kind": "task-started", "partition": partition, "executor": executor})
     service = rendezvous = None
     try:
@@ -290,6 +333,10 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
         if partition == 0:
             client.send({"t": "event", "kind": "plan", "slots": slot_summary(plan)})
         failure = None
+        if spec.has_resume:
+            if plan.host_leader(slot.hostname).partition == partition:
+                fetch_resume(spec, task_dir / "resume")
+            ctx.barrier()  # every host has its copy before any rank starts
         # start and wait -----------------------------------------------------------------------
         if spec.launcher == "gloo":
             if rendezvous is not None:
@@ -306,6 +353,8 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
             code, tail = run_mpirun(argv, env, os.getpid(), task_dir / "mpirun.log")
             if code != 0:
                 failure = mpirun_failure(plan, code, tail)
+        if slot.rank == 0:
+            upload_artifacts(spec, task_dir)  # after a failure too: the last good checkpoint matters
         if failure is not None:
             client.send_now(failure)
             raise TaskFailure(failure)
@@ -325,6 +374,7 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
             service.close()
         if rendezvous is not None:
             rendezvous.stop()
+        client.send({"t": "event", "kind": "task-done", "partition": partition})
         client.close()
         shutil.rmtree(task_dir, ignore_errors=True)
 
@@ -361,6 +411,7 @@ def run_local(spec: RunSpec, np: int) -> Any:
             argv = mpirun_argv(None, WORKER, agent=None, iface="lo", np=np, env_names=[])
             code, tail = run_mpirun(argv, env, os.getpid(), task_dir / "mpirun.log")
             failure = mpirun_failure(plan, code, tail) if code != 0 else None
+        upload_artifacts(spec, task_dir)
         if failure is not None:
             raise TaskFailure(failure)
         return (task_dir / RESULT_FILE).read_bytes()

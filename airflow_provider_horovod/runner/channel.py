@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.runner import wire
@@ -30,8 +31,23 @@ TAIL_LINES = 100
 class Channel:
     """Accepts authenticated connections and collects what they send."""
 
-    def __init__(self, secret: bytes, *, emit_logs: bool = True, on_error: Callable[[dict], None] | None = None) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        emit_logs: bool = True,
+        on_error: Callable[[dict], None] | None = None,
+        artifact_staging: Path | None = None,
+        resume_root: Path | None = None,
+    ) -> None:
         self._secret = secret
+        self._artifact_staging = artifact_staging
+        self._resume_root = resume_root
+        self.upload_started = threading.Event()
+        self.upload_done = threading.Event()
+        self.upload_error: BaseException | None = None
+        self.received: list[dict[str, Any]] = []
+        self.done: set[int] = set()
         self._emit_logs = emit_logs
         self._on_error = on_error
         self._lock = threading.Lock()
@@ -84,7 +100,13 @@ class Channel:
             self._conns.add(conn)
         try:
             while True:
-                self.handle(conn.recv())
+                msg = conn.recv()
+                if msg.get("t") == "put":
+                    self._receive_artifacts(conn)
+                elif msg.get("t") == "fetch-resume":
+                    self._send_resume(conn)
+                else:
+                    self.handle(msg)
         except wire.AuthenticationError:
             with self._lock:
                 self.rejected += 1
@@ -95,6 +117,39 @@ class Channel:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _receive_artifacts(self, conn: wire.ServerConnection) -> None:
+        from airflow_provider_horovod.runner.artifacts import receive_tree
+
+        if self._artifact_staging is None:
+            conn.send({"ok": False, "error": "this run collects no artifacts"})
+            return
+        self.upload_started.set()
+        try:
+            self.received = receive_tree(conn, self._artifact_staging)
+        except OSError as err:  # the driver's disk: full, or the folder went away
+            self.upload_error = err
+            with contextlib.suppress(OSError):
+                conn.send({"ok": False, "error": str(err)})
+            raise ConnectionError(str(err)) from err
+        conn.send({"ok": True, "files": len(self.received)})
+        self.upload_done.set()
+
+    def _send_resume(self, conn: wire.ServerConnection) -> None:
+        from airflow_provider_horovod.runner.artifacts import send_tree
+
+        if self._resume_root is None:
+            conn.send({"end": True, "files": 0})
+            return
+        send_tree(conn, self._resume_root)
+
+    def broadcast(self, msg: dict[str, Any]) -> None:
+        """Send ``msg`` to every connected client (``{"t": "stop"}``: end your ranks now)."""
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.send(msg)
 
     def handle(self, msg: dict[str, Any]) -> None:
         kind = msg.get("t")
@@ -110,6 +165,9 @@ class Channel:
                         self.started_event.set()
         elif kind == "error":
             self.error(msg)
+        if kind == "event" and msg.get("kind") == "task-done":
+            with self._lock:
+                self.done.add(int(msg["partition"]))
 
     def lines(self, rank: int, lines: list[str], *, callback: bool = False) -> None:
         with self._lock:
@@ -135,6 +193,7 @@ class ChannelClient:
         *,
         connect_timeout: float = 3.0,
         on_lost: Callable[[], None] | None = None,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         """``on_lost`` is called (from a daemon thread) if the driver hangs up before ``close()``:
         the driver was cancelled or died, and whatever this client's process runs must stop."""
@@ -151,13 +210,16 @@ class ChannelClient:
             return
         self._thread = threading.Thread(target=self._loop, name="hvdrunner-channel-client", daemon=True)
         self._thread.start()
-        if on_lost is not None:
-            threading.Thread(target=self._watch, args=(self._conn, on_lost), daemon=True).start()
+        if on_lost is not None or on_stop is not None:
+            threading.Thread(target=self._watch, args=(self._conn, on_lost, on_stop), daemon=True).start()
 
-    def _watch(self, conn: wire.ClientConnection, on_lost: Callable[[], None]) -> None:
+    def _watch(self, conn: wire.ClientConnection, on_lost, on_stop) -> None:
+        """The driver sends only ``stop``; a hang-up before ``close()`` means cancel (or a dead driver)."""
         with contextlib.suppress(Exception):
-            conn.recv()  # the driver never sends: this returns only when it hangs up
-        if not self._closing:
+            while True:
+                if conn.recv().get("t") == "stop" and on_stop is not None:
+                    on_stop()
+        if not self._closing and on_lost is not None:
             on_lost()
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import logging
 import platform
 import signal
@@ -10,13 +11,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
-from airflow_provider_horovod.exceptions import HorovodRunError, InsufficientSlotsError, RunCancelledError
+from airflow_provider_horovod.exceptions import ArtifactError, HorovodRunError, InsufficientSlotsError, RunCancelledError
 from airflow_provider_horovod.runner import procs, wire
 from airflow_provider_horovod.runner.barrier import RunSpec, TaskFailure, parse_failure, run_local, run_task
+from airflow_provider_horovod.runner.artifacts import check_writable, commit
 from airflow_provider_horovod.runner.channel import Channel
 from airflow_provider_horovod.runner.payload import build_payload, describe
 
@@ -25,7 +28,10 @@ log = logging.getLogger(__name__)
 LAUNCHERS = ("mpirun", "gloo")
 VERBOSITIES = ("all", "log_callback_only")
 RESULT_SCHEMA = "partition int, kind string, seq int, data binary"
-FAIL_GRACE_S = 3.0  # after a rank reports an error, how long Spark gets to fail the stage itself
+STOP_GRACE_S = 20.0  # after asking the tasks to stop their ranks, how long before cutting them off
+CANCEL_GRACE_S = 5.0  # the same, when the user cancelled: every process must be gone within 10 s
+ARTIFACT_GRACE_S = 60.0  # how long rank 0's task gets to send its artifacts after the job ended
+CANCEL_ARTIFACT_GRACE_S = 3.0
 
 
 def _task_fn(spec: RunSpec) -> Callable:
@@ -64,6 +70,9 @@ class HorovodRunner:
         spark: Any = None,
         env: dict[str, str] | None = None,
         start_timeout: float = 120.0,
+        timeline: bool = False,
+        artifact_dir: str | os.PathLike[str] | None = None,
+        resume_from: str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise ValueError("np must be a non-zero int (np > 0: barrier tasks, np < 0: local processes); got %r" % (np,))
@@ -79,11 +88,16 @@ class HorovodRunner:
             raise ValueError("env must map str to str; fix %s" % ", ".join(map(repr, bad)))
         if start_timeout <= 0:
             raise ValueError("start_timeout must be positive; got %r" % (start_timeout,))
+        if resume_from is not None and not Path(resume_from).is_dir():
+            raise ValueError("resume_from must be an existing folder; %s is not" % (resume_from,))
         self.np = np
         self.launcher = launcher
         self.driver_log_verbosity = driver_log_verbosity
         self.env = env
         self.start_timeout = float(start_timeout)
+        self.timeline = bool(timeline)
+        self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else None
+        self.resume_from = Path(resume_from).resolve() if resume_from is not None else None
         self._spark = spark
         self._cancelled = threading.Event()
         self._tag: str | None = None
@@ -91,41 +105,60 @@ class HorovodRunner:
         self.last_run: dict[str, Any] = {}
 
     # -- public ---------------------------------------------------------------------------------
-    def run(self, main: Callable[..., Any] | str, **kwargs: Any) -> Any:
-        """Run ``main(**kwargs)`` on every rank and return rank 0's return value."""
-        payload = build_payload(main, (), kwargs)
+    def run(self, main: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``main(*args, **kwargs)`` on every rank and return rank 0's return value."""
+        payload = build_payload(main, args, kwargs)
+        artifact_dir = self._artifact_dir()
+        if self.timeline and artifact_dir is None:
+            raise ValueError("timeline=True needs an artifact_dir to bring the timeline back to")
         self._cancelled.clear()
         run_id = uuid.uuid4().hex[:12]
         secret = wire.new_secret()
         started = time.monotonic()
-        self.last_run = {"run_id": run_id, "np": self.np, "launcher": self.launcher, "events": []}
+        self.last_run = {"run_id": run_id, "np": self.np, "launcher": self.launcher, "events": [], "result": None,
+                         "artifact_dir": str(artifact_dir) if artifact_dir else None, "timeline_path": None,
+                         "checkpoint_path": None, "spark_ui_url": None, "status": "running"}
         log.info("Starting Horovod job %s: %s on %d %s with %s", run_id, describe(main), abs(self.np),
                  "barrier tasks" if self.np > 0 else "local processes", self.launcher)
-        channel = Channel(secret, emit_logs=self.driver_log_verbosity == "all")
-        with self._signals():
-            try:
-                if self.np < 0:
-                    channel.start("127.0.0.1")
-                    spec = self._spec(run_id, secret, payload, channel.address)
-                    result = self._run_local(spec, channel)
-                else:
-                    result = self._run_spark(run_id, secret, payload, channel)
-            finally:
-                channel.close()
-                self.last_run["events"] = list(channel.events)
-                self.last_run["rejected_connections"] = channel.rejected
-                self.last_run["duration_s"] = round(time.monotonic() - started, 3)
+        staging = artifact_dir / (".incoming-%s" % run_id) if artifact_dir else None
+        channel = Channel(secret, emit_logs=self.driver_log_verbosity == "all", artifact_staging=staging,
+                          resume_root=self.resume_from)
+        result = None
+        status = "failed"
+        try:
+            with self._signals():
+                try:
+                    if self.np < 0:
+                        channel.start("127.0.0.1")
+                        result = self._run_local(self._spec(run_id, secret, payload, channel.address), channel)
+                    else:
+                        result = self._run_spark(run_id, secret, payload, channel)
+                    status = "success"
+                except RunCancelledError:
+                    status = "cancelled"
+                    raise
+                finally:
+                    channel.close()
+                    self.last_run["events"] = list(channel.events)
+                    self.last_run["rejected_connections"] = channel.rejected
+                    self.last_run["duration_s"] = round(time.monotonic() - started, 3)
+                    self.last_run["status"] = status
+        finally:
+            if artifact_dir is not None and staging is not None:
+                self._commit(artifact_dir, staging, channel, status, run_id, result)
         self.last_run["result"] = result
         return result
 
     def cancel(self) -> None:
         """Interrupt the running job from any thread; every rank process goes with it."""
         self._cancelled.set()
-        if self._session is not None and self._tag is not None:
-            with contextlib.suppress(Exception):
-                self._session.interruptTag(self._tag)
 
     # -- phases ---------------------------------------------------------------------------------
+    def _artifact_dir(self) -> Path | None:
+        if self.artifact_dir is None:
+            return None
+        return check_writable(self.artifact_dir)
+
     def _spec(self, run_id: str, secret: bytes, payload: bytes, channel: tuple[str, int] | None) -> RunSpec:
         return RunSpec(
             run_id=run_id,
@@ -137,6 +170,10 @@ class HorovodRunner:
             env=self.env,
             driver_python=platform.python_version(),
             start_timeout=self.start_timeout,
+            timeline=self.timeline,
+            collect_artifacts=self.artifact_dir is not None,
+            has_resume=self.resume_from is not None,
+            resume_local=str(self.resume_from) if (self.resume_from is not None and self.np < 0) else None,
         )
 
     def _run_local(self, spec: RunSpec, channel: Channel) -> Any:
@@ -150,7 +187,8 @@ class HorovodRunner:
 
         thread = threading.Thread(target=target, name="hvdrunner-local", daemon=True)
         thread.start()
-        self._wait(thread, channel, cancel=procs.kill_all)
+        reason = self._supervise(thread, channel, stop=procs.kill_all, hard_cancel=procs.kill_all)
+        self._raise_for(reason, channel)
         if "error" in box:
             err = box["error"]
             if isinstance(err, TaskFailure):
@@ -171,10 +209,12 @@ class HorovodRunner:
         self._check_conf(spark)
         self._wait_for_slots(spark)
         address = channel.start(self._driver_host(spark))
+        if address is None and self.resume_from is not None:
+            raise HorovodRunError("resume_from needs the executors to reach the driver, and this driver cannot listen "
+                                  "for them. Put the checkpoint where the training function can read it instead.")
         channel.expected_tasks = self.np
         spec = self._spec(run_id, secret, payload, address)
         tag = "hvdrunner-%s" % run_id
-        self._session, self._tag = spark, tag
         self.last_run["spark_ui_url"] = self._ui_url(spark)
         self.last_run["job_tag"] = tag
         df = spark.range(self.np, numPartitions=self.np).mapInArrow(_task_fn(spec), RESULT_SCHEMA, barrier=True)
@@ -193,47 +233,90 @@ class HorovodRunner:
         thread = threading.Thread(target=target, name="hvdrunner-job-%s" % run_id, daemon=True)
         thread.start()
 
-        def cancel() -> None:
-            channel.close()  # tasks take the hang-up as cancel and stop their processes at once
+        def hard_cancel() -> None:
+            channel.close()  # tasks take the hang-up as cancel and stop at once
             with contextlib.suppress(Exception):
                 spark.interruptTag(tag)
 
-        try:
-            self._wait(thread, channel, cancel=cancel, started_by=address is not None)
-        finally:
-            self._session = self._tag = None
+        reason = self._supervise(thread, channel, stop=lambda: channel.broadcast({"t": "stop"}),
+                                 hard_cancel=hard_cancel, started_by=address is not None)
+        if self.artifact_dir is not None and address is not None and 0 not in channel.done:
+            # Rank 0's task sends its artifacts before it ends, after a failure too: give it time.
+            channel.broadcast({"t": "stop"})
+            grace = CANCEL_ARTIFACT_GRACE_S if reason == "cancel" else ARTIFACT_GRACE_S
+            deadline = time.monotonic() + grace
+            while 0 not in channel.done and time.monotonic() < deadline:
+                time.sleep(0.05)
+        hard_cancel()  # whatever is still running ends now
+        self._raise_for(reason, channel)
         if "error" in box:
             raise self._spark_error(box["error"], channel) from None
         return self._collect(box["rows"], channel)
 
-    def _wait(self, thread: threading.Thread, channel: Channel, cancel: Callable[[], Any], started_by: bool = False) -> None:
-        """Wait for the job thread; fail fast on a rank error, on cancellation and on a slow start."""
+    def _supervise(self, thread: threading.Thread, channel: Channel, *, stop: Callable[[], Any],
+                   hard_cancel: Callable[[], Any], started_by: bool = False) -> str | None:
+        """Wait for the job thread. On a rank error, cancellation or a slow start, ask the tasks to
+        stop their ranks (rank 0's task still sends its artifacts); if they do not end within
+        ``STOP_GRACE_S``, cut them off. Returns why it stopped the job, or None."""
         deadline = time.monotonic() + self.start_timeout
-        first_error_at = None
+        reason: str | None = None
+        stop_sent = 0.0
         try:
             while thread.is_alive():
                 thread.join(0.1)
-                if self._cancelled.is_set():
-                    cancel()
+                if reason is None:
+                    if self._cancelled.is_set():
+                        reason = "cancel"
+                    elif channel.errors:
+                        reason = "error"
+                    elif started_by and not channel.started_event.is_set() and time.monotonic() > deadline:
+                        reason = "timeout"
+                    if reason is not None:
+                        stop()
+                        stop_sent = time.monotonic()
+                elif time.monotonic() - stop_sent > (CANCEL_GRACE_S if reason == "cancel" else STOP_GRACE_S):
+                    hard_cancel()
                     thread.join(30)
-                    raise RunCancelledError("The Horovod job was cancelled; the Spark job was interrupted.")
-                if channel.errors and first_error_at is None:
-                    first_error_at = time.monotonic()
-                if first_error_at is not None and time.monotonic() - first_error_at > FAIL_GRACE_S:
-                    cancel()  # a rank failed and Spark has not ended the stage yet: end it
-                    thread.join(30)
-                    raise self._error(channel.errors[0], channel)
-                if started_by and not channel.started_event.is_set() and time.monotonic() > deadline:
-                    cancel()
-                    thread.join(30)
-                    raise InsufficientSlotsError(
-                        "Only %d of %d barrier tasks started within start_timeout=%ss. The cluster has %s; "
-                        "lower np or add executors." % (len(channel.started), self.np, self.start_timeout, self._slots_text())
-                    )
         except KeyboardInterrupt:
-            cancel()
+            self._cancelled.set()
+            reason = "cancel"
+            stop()
+            thread.join(CANCEL_GRACE_S)
+            hard_cancel()
             thread.join(30)
-            raise RunCancelledError("The Horovod job was interrupted (KeyboardInterrupt); the Spark job was cancelled.") from None
+        return reason
+
+    def _raise_for(self, reason: str | None, channel: Channel) -> None:
+        if reason == "cancel" or self._cancelled.is_set():
+            raise RunCancelledError("The Horovod job was cancelled; the Spark job was interrupted.")
+        if reason == "timeout":
+            raise InsufficientSlotsError(
+                "Only %d of %d barrier tasks started within start_timeout=%ss. The cluster has %s; "
+                "lower np or add executors." % (len(channel.started), self.np, self.start_timeout, self._slots_text())
+            )
+        if reason == "error" and channel.errors:
+            raise self._error(channel.errors[0], channel)
+
+    def _commit(self, artifact_dir: Path, staging: Path, channel: Channel, status: str, run_id: str, result: Any) -> None:
+        complete = channel.upload_done.is_set() and channel.upload_error is None
+        if not channel.upload_started.is_set() and status == "success":
+            complete = True  # nothing to send (no checkpoint, no timeline): an empty, complete run
+            staging.mkdir(parents=True, exist_ok=True)
+        try:
+            info = commit(artifact_dir, staging, status=status, complete=complete, run_id=run_id,
+                          received=channel.received, extra={"np": self.np, "launcher": self.launcher})
+        except OSError as err:
+            raise ArtifactError("Cannot commit artifacts to %s (%s)." % (artifact_dir, err), result=result) from err
+        if channel.upload_error is not None and status == "success":
+            raise ArtifactError("Rank 0's artifacts could not be written to %s (%s); the run itself succeeded."
+                                % (artifact_dir, channel.upload_error), result=result)
+        self.last_run["artifacts"] = info
+        if info.get("timeline"):
+            self.last_run["timeline_path"] = str(artifact_dir / info["timeline"])
+            self.last_run["timeline_summary_path"] = str(artifact_dir / info["timeline_summary"])
+            self.last_run["timeline_picture_path"] = str(artifact_dir / info["timeline_picture"])
+        if info.get("checkpoint"):
+            self.last_run["checkpoint_path"] = str(artifact_dir / info["checkpoint"])
 
     # -- checks ---------------------------------------------------------------------------------
     def _check_conf(self, spark: Any) -> None:

@@ -133,6 +133,15 @@ def main() -> int:
 
     os.environ.update(rank_env(slot))
     os.environ["HVDRUNNER_TASK_DIR"] = slot.task_dir
+    if os.environ.get("HVDRUNNER_HAS_RESUME") == "1":
+        # one copy per host, fetched by the host's first task
+        os.environ["HVDRUNNER_RESUME_DIR"] = str(Path(plan.host_leader(slot.hostname).task_dir) / "resume")
+    if os.environ.get("HVDRUNNER_TIMELINE") == "1":
+        # Every rank must have it set or Horovod's ranks disagree and hang; only rank 0 writes,
+        # and only rank 0's folder comes back.
+        folder = Path(slot.task_dir) / ("artifacts" if rank == 0 else "scratch-rank-%d" % rank)
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ["HOROVOD_TIMELINE"] = str(folder / "timeline.json")
     task_dir = Path(slot.task_dir)
     try:
         fn, args, kwargs = load_payload(Path(os.environ["HVDRUNNER_PAYLOAD"]).read_bytes())

@@ -110,3 +110,55 @@ def log_job():
     print("plain print from rank %d" % hvd.rank(), flush=True)
     runtime.log_to_driver("callback from rank %d" % hvd.rank())
     return runtime.rank(), runtime.size()
+
+
+def checkpoint_job(epochs: int = 3, fail_at: int | None = None, in_flight_at_failure: bool = False, big_mb: int = 0):
+    """Saves ``epoch-N.pt`` on rank 0 each epoch (write, then rename); resumes from resume_dir().
+
+    ``fail_at``: rank 1 raises at the start of that epoch (after epoch ``fail_at - 1`` was saved).
+    ``in_flight_at_failure``: rank 0 leaves a half-written ``*.tmp`` checkpoint behind first.
+    ``big_mb``: rank 0 also writes a file of that many MiB (to make the transfer take time).
+    """
+    import glob
+
+    import horovod.torch as hvd
+    import torch
+
+    from airflow_provider_horovod import runtime
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    start = 0
+    resume = runtime.resume_dir()
+    if resume is not None:
+        saved = sorted(glob.glob(str(resume / "epoch-*.pt")), key=lambda p: int(p.rsplit("-", 1)[1][:-3]))
+        if saved:
+            state = torch.load(saved[-1])
+            model.load_state_dict(state["model"])
+            start = state["epoch"] + 1
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    ckpt = runtime.checkpoint_dir()
+    for epoch in range(start, epochs):
+        if fail_at is not None and epoch == fail_at:
+            if hvd.rank() == 0 and in_flight_at_failure:
+                (ckpt / ("epoch-%d.pt.tmp" % epoch)).write_bytes(b"half a checkpoint")
+            hvd.allreduce(torch.ones(1))
+            if hvd.rank() == 1:
+                raise RuntimeError("failing at epoch %d" % epoch)
+            time.sleep(30)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(hvd.allreduce(torch.ones_like(p)))
+        if hvd.rank() == 0:
+            tmp = ckpt / ("epoch-%d.pt.tmp" % epoch)
+            torch.save({"epoch": epoch, "model": model.state_dict()}, tmp)
+            os.replace(tmp, ckpt / ("epoch-%d.pt" % epoch))
+    if hvd.rank() == 0 and big_mb:
+        with open(ckpt / "big.bin", "wb") as f:
+            for _ in range(big_mb):
+                f.write(os.urandom(1 << 20))
+    seen = hvd.allgather_object(str(resume) if resume else None)
+    timeline = hvd.allgather_object(os.environ.get("HOROVOD_TIMELINE"))
+    return {"start": start, "resume_seen": seen, "timeline_env": timeline,
+            "weights": [p.detach().flatten().tolist() for p in model.parameters()]}

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from airflow_provider_horovod import HorovodRunError, HorovodRunner, PayloadError, RunCancelledError
-from tests.conftest import wait_no_run_processes
+from tests.conftest import ours, wait_no_run_processes
 from tests.integration import jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
@@ -159,7 +159,7 @@ def _task_python_workers() -> list:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if "pyspark.daemon" not in " ".join(proc.info["cmdline"] or []):
+            if "pyspark.daemon" not in " ".join(proc.info["cmdline"] or []) or not ours(proc):
                 continue
             if any("airflow_provider_horovod" in " ".join(c.cmdline()) for c in proc.children()):
                 found.append(proc)

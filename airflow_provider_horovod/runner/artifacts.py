@@ -1,0 +1,237 @@
+"""Artifacts: rank 0's checkpoints and the Horovod timeline, pulled to the driver and committed.
+
+Files move as a stream of frames over the run's authenticated channel (``send_tree`` /
+``receive_tree``), one chunk in memory at a time. On the driver they land in a staging folder
+inside ``artifact_dir``; ``commit`` moves them into place and writes ``_ARTIFACTS.json`` *last*.
+A reader trusts a folder only when that marker says ``"complete": true``.
+
+The rule training code follows: write a checkpoint under a temporary name (``*.tmp``, or a name
+starting with ``.``) and rename it when it is complete. Such files are never pulled, so a
+checkpoint being written when the run fails is never offered as complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_horovod.exceptions import ArtifactError
+
+MARKER = "_ARTIFACTS.json"
+CHUNK = 1 << 20
+TIMELINE = "timeline.json"
+SUMMARY = "timeline_summary.json"
+PICTURE = "timeline.svg"
+CHECKPOINTS = "checkpoints"
+
+
+def in_progress(name: str) -> bool:
+    """A file that is still being written by the rule above."""
+    return name.startswith((".", "~")) or name.endswith((".tmp", ".partial", ".part"))
+
+
+def check_writable(path: str | os.PathLike[str]) -> Path:
+    """Create ``path`` if needed and prove a file can be written there; else ``ArtifactError``."""
+    target = Path(path)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / (".probe-%s" % uuid.uuid4().hex)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise ArtifactError(
+            "Cannot write artifacts to %s (%s). Choose a folder this process can create and write." % (target, err.strerror or err)
+        ) from err
+    if (target / MARKER).exists():
+        raise ArtifactError(
+            "%s already holds the committed artifacts of an earlier run; give each run its own folder." % target
+        )
+    return target
+
+
+# -- streaming ------------------------------------------------------------------------------------
+def send_tree(conn, root: Path) -> int:
+    """Send every finished file under ``root``; return how many bytes were sent."""
+    sent = 0
+    files = []
+    if root.is_dir():
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if not in_progress(d))
+            for name in sorted(filenames):
+                if not in_progress(name):
+                    files.append(Path(dirpath) / name)
+    for path in files:
+        try:
+            f = path.open("rb")
+        except OSError:
+            continue  # removed while we looked
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            conn.send({"file": path.relative_to(root).as_posix(), "size": size})
+            left = size
+            while left > 0:
+                chunk = f.read(min(CHUNK, left))
+                if not chunk:
+                    chunk = b"\0" * min(CHUNK, left)  # truncated under us: keep the frame count
+                conn.send_bytes(chunk)
+                left -= len(chunk)
+                sent += len(chunk)
+    conn.send({"end": True, "files": len(files)})
+    return sent
+
+
+def receive_tree(conn, dest: Path) -> list[dict[str, Any]]:
+    """Receive what ``send_tree`` sends into ``dest``; files appear only when whole."""
+    received = []
+    dest.mkdir(parents=True, exist_ok=True)
+    while True:
+        head = conn.recv()
+        if head.get("end"):
+            return received
+        rel = Path(head["file"])
+        if rel.is_absolute() or ".." in rel.parts:
+            raise ValueError("refusing a file outside the artifact folder: %s" % rel)
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".partial")
+        left = int(head["size"])
+        with partial.open("wb") as out:
+            while left > 0:
+                chunk = conn.recv_bytes()
+                out.write(chunk)
+                left -= len(chunk)
+        os.replace(partial, target)
+        received.append({"path": rel.as_posix(), "size": int(head["size"])})
+
+
+# -- timeline -------------------------------------------------------------------------------------
+def load_timeline(path: Path) -> list[dict[str, Any]]:
+    """Horovod's timeline as a list of events, closing the array if Horovod left it open.
+
+    A run that died mid-write may end in half an event; every whole event before it is kept.
+    """
+    text = path.read_text(errors="replace")
+    with contextlib.suppress(ValueError):
+        events = json.loads(text)
+        return events if isinstance(events, list) else []
+    decoder = json.JSONDecoder()
+    events: list[dict[str, Any]] = []
+    pos = text.find("[") + 1
+    while 0 < pos < len(text):
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            event, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def repair_timeline(path: Path) -> list[dict[str, Any]]:
+    """Rewrite ``path`` as valid JSON (Chrome trace format); return its events."""
+    events = load_timeline(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(events))
+    os.replace(tmp, path)
+    return events
+
+
+def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per operation or activity name: count, total time and share of the timeline's wall time."""
+    stacks: dict[Any, list[tuple[str, float]]] = {}
+    totals: dict[str, dict[str, float]] = {}
+    stamps = [float(e["ts"]) for e in events if "ts" in e]
+    for e in events:
+        ph, ts = e.get("ph"), e.get("ts")
+        if ts is None:
+            continue
+        key = (e.get("pid"), e.get("tid"))
+        if ph == "B":
+            stacks.setdefault(key, []).append((e.get("name", "?"), float(ts)))
+        elif ph == "E" and stacks.get(key):
+            name, start = stacks[key].pop()
+            row = totals.setdefault(name, {"count": 0, "total_us": 0.0})
+            row["count"] += 1
+            row["total_us"] += float(ts) - start
+        elif ph == "X":
+            row = totals.setdefault(e.get("name", "?"), {"count": 0, "total_us": 0.0})
+            row["count"] += 1
+            row["total_us"] += float(e.get("dur", 0))
+    wall = (max(stamps) - min(stamps)) if stamps else 0.0
+    ops = {
+        name: {"count": int(r["count"]), "total_ms": round(r["total_us"] / 1000, 3),
+               "share_of_wall": round(r["total_us"] / wall, 4) if wall else 0.0}
+        for name, r in sorted(totals.items(), key=lambda kv: -kv[1]["total_us"])
+    }
+    return {"wall_ms": round(wall / 1000, 3), "events": len(events), "operations": ops}
+
+
+def render_svg(summary: dict[str, Any], path: Path, top: int = 15) -> None:
+    """A bar chart of the summary's total time per operation, readable in any browser."""
+    rows = list(summary["operations"].items())[:top]
+    width, bar_x, bar_w, row_h = 760, 260, 380, 24
+    height = 60 + row_h * max(len(rows), 1)
+    longest = max((r["total_ms"] for _, r in rows), default=0) or 1
+    parts = [
+        '<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">' % (width, height),
+        '<rect width="100%" height="100%" fill="white"/>',
+        '<text x="10" y="22" font-size="15">Horovod timeline: time per operation (wall %.1f ms, %d events)</text>'
+        % (summary["wall_ms"], summary["events"]),
+    ]
+    for i, (name, r) in enumerate(rows):
+        y = 40 + i * row_h
+        w = max(1, int(bar_w * r["total_ms"] / longest))
+        parts.append('<text x="10" y="%d">%s</text>' % (y + 15, html.escape(name[:36])))
+        parts.append('<rect x="%d" y="%d" width="%d" height="%d" fill="#4878d0"/>' % (bar_x, y + 3, w, row_h - 6))
+        parts.append('<text x="%d" y="%d">%.1f ms, %d x, %.0f%%</text>'
+                     % (bar_x + w + 6, y + 15, r["total_ms"], r["count"], 100 * r["share_of_wall"]))
+    if not rows:
+        parts.append('<text x="10" y="55">No timeline events were recorded.</text>')
+    parts.append("</svg>")
+    path.write_text("\n".join(parts))
+
+
+# -- commit ---------------------------------------------------------------------------------------
+def commit(artifact_dir: Path, staging: Path, *, status: str, complete: bool, run_id: str,
+           received: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Move what was received into ``artifact_dir`` and write the marker last.
+
+    An incomplete transfer stays in its staging folder and the marker says ``complete: false``.
+    """
+    info: dict[str, Any] = {"status": status, "complete": complete, "run_id": run_id, "files": received,
+                            "committed_at": time.time(), "checkpoint": None, "timeline": None}
+    info.update(extra or {})
+    if complete:
+        timeline = staging / TIMELINE
+        if timeline.exists():
+            events = repair_timeline(timeline)
+            summary = summarize(events)
+            (staging / SUMMARY).write_text(json.dumps(summary, indent=2))
+            render_svg(summary, staging / PICTURE)
+            info.update(timeline=TIMELINE, timeline_summary=SUMMARY, timeline_picture=PICTURE)
+        if (staging / CHECKPOINTS).is_dir() and any((staging / CHECKPOINTS).iterdir()):
+            info["checkpoint"] = CHECKPOINTS
+        for entry in sorted(staging.iterdir()):
+            os.replace(entry, artifact_dir / entry.name)
+        shutil.rmtree(staging, ignore_errors=True)
+    else:
+        info["staging"] = staging.name
+    tmp = artifact_dir / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, artifact_dir / MARKER)
+    return info
+
+
+def read_marker(artifact_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((Path(artifact_dir) / MARKER).read_text())
+    return None

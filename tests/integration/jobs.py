@@ -160,5 +160,8 @@ def checkpoint_job(epochs: int = 3, fail_at: int | None = None, in_flight_at_fai
                 f.write(os.urandom(1 << 20))
     seen = hvd.allgather_object(str(resume) if resume else None)
     timeline = hvd.allgather_object(os.environ.get("HOROVOD_TIMELINE"))
-    return {"start": start, "resume_seen": seen, "timeline_env": timeline,
+    import psutil
+
+    ancestors = [p.pid for p in psutil.Process().parents()]
+    return {"start": start, "resume_seen": seen, "timeline_env": timeline, "rank0_ancestors": ancestors,
             "weights": [p.detach().flatten().tolist() for p in model.parameters()]}

@@ -62,6 +62,17 @@ def test_mpirun_reaches_the_second_executor_through_the_exec_service(cluster_run
     assert ranks[0]["pid"] != ranks[1]["pid"]
 
 
+def test_checkpoint_is_pulled_from_an_executor_outside_the_drivers_process_tree(cluster_runs):
+    import torch
+
+    got = cluster_runs["artifacts"]
+    assert got["driver_pid"] not in got["result"]["rank0_ancestors"]  # rank 0 ran under another JVM
+    checkpoint = Path(got["last_run"]["checkpoint_path"])
+    assert torch.load(checkpoint / "epoch-1.pt")["epoch"] == 1
+    assert json.loads(Path(got["last_run"]["timeline_path"]).read_text())
+    assert got["last_run"]["artifacts"]["status"] == "success"
+
+
 def test_spark_connect_session_runs_gloo_and_returns_rank_zeros_value(tmp_path):
     out = tmp_path / "connect.json"
     _run_module("tests.integration.scenarios.connect_run", str(out))

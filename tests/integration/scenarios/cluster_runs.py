@@ -6,6 +6,7 @@ usage: python -m tests.integration.scenarios.cluster_runs MASTER CONF_JSON OUT_J
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -26,6 +27,11 @@ def main() -> None:
             runner = HorovodRunner(2, launcher=launcher, spark=spark)
             result = runner.run(jobs.allreduce_job, tag=launcher)
             results[launcher] = {"result": result, "events": runner.last_run["events"]}
+        artifact_dir = os.path.join(os.path.dirname(out), "artifacts")
+        runner = HorovodRunner(2, launcher="mpirun", spark=spark, artifact_dir=artifact_dir, timeline=True)
+        result = runner.run(jobs.checkpoint_job, epochs=2)
+        results["artifacts"] = {"result": result, "last_run": {k: v for k, v in runner.last_run.items() if k != "result"},
+                                "driver_pid": os.getpid()}
     finally:
         spark.stop()
     with open(out, "w") as f:

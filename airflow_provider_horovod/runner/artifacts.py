@@ -25,7 +25,7 @@ from typing import Any
 from airflow_provider_horovod.exceptions import ArtifactError
 
 MARKER = "_ARTIFACTS.json"
-CHUNK = 1 << 20
+CHUNK = 4 << 20
 TIMELINE = "timeline.json"
 SUMMARY = "timeline_summary.json"
 PICTURE = "timeline.svg"
@@ -75,14 +75,17 @@ def send_tree(conn, root: Path) -> int:
         with f:
             size = os.fstat(f.fileno()).st_size
             conn.send({"file": path.relative_to(root).as_posix(), "size": size})
+            buf = bytearray(min(CHUNK, max(size, 1)))
+            view = memoryview(buf)
             left = size
             while left > 0:
-                chunk = f.read(min(CHUNK, left))
-                if not chunk:
-                    chunk = b"\0" * min(CHUNK, left)  # truncated under us: keep the frame count
-                conn.send_bytes(chunk)
-                left -= len(chunk)
-                sent += len(chunk)
+                n = f.readinto(view[: min(CHUNK, left)])
+                if not n:  # truncated under us: keep the promised size
+                    n = min(CHUNK, left)
+                    view[:n] = bytes(n)
+                conn.send_bytes(view[:n])
+                left -= n
+                sent += n
     conn.send({"end": True, "files": len(files)})
     return sent
 

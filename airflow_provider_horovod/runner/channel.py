@@ -48,6 +48,7 @@ class Channel:
         self.upload_error: BaseException | None = None
         self.received: list[dict[str, Any]] = []
         self.done: set[int] = set()
+        self.upload_seconds: float | None = None
         self._emit_logs = emit_logs
         self._on_error = on_error
         self._lock = threading.Lock()
@@ -125,8 +126,10 @@ class Channel:
             conn.send({"ok": False, "error": "this run collects no artifacts"})
             return
         self.upload_started.set()
+        began = time.monotonic()
         try:
             self.received = receive_tree(conn, self._artifact_staging)
+            self.upload_seconds = time.monotonic() - began
         except OSError as err:  # the driver's disk: full, or the folder went away
             self.upload_error = err
             with contextlib.suppress(OSError):

@@ -311,6 +311,8 @@ class HorovodRunner:
             raise ArtifactError("Rank 0's artifacts could not be written to %s (%s); the run itself succeeded."
                                 % (artifact_dir, channel.upload_error), result=result)
         self.last_run["artifacts"] = info
+        self.last_run["artifact_transfer_s"] = channel.upload_seconds
+        self.last_run["artifact_bytes"] = sum(f["size"] for f in channel.received)
         if info.get("timeline"):
             self.last_run["timeline_path"] = str(artifact_dir / info["timeline"])
             self.last_run["timeline_summary_path"] = str(artifact_dir / info["timeline_summary"])

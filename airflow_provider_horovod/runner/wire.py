@@ -31,15 +31,16 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = sock.recv(min(n, 1 << 20))
-        if not chunk:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    pos = 0
+    while pos < n:
+        got = sock.recv_into(view[pos:], n - pos)
+        if not got:
             raise ConnectionError("connection closed")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
+        pos += got
+    return buf
 
 
 class FramedConnection:
@@ -52,16 +53,21 @@ class FramedConnection:
         self._send_seq = 0
         self._recv_seq = 0
 
-    def _mac(self, direction: bytes, seq: int, body: bytes) -> bytes:
-        msg = self._nonce + direction + seq.to_bytes(8, "big") + body
-        return hmac.new(self._secret, msg, hashlib.sha256).digest()
+    def _mac(self, direction: bytes, seq: int, body: bytes | bytearray | memoryview) -> bytes:
+        mac = hmac.new(self._secret, self._nonce + direction + seq.to_bytes(8, "big"), hashlib.sha256)
+        mac.update(body)
+        return mac.digest()
 
-    def send_bytes(self, body: bytes, *, direction: bytes = b"c") -> None:
+    def send_bytes(self, body: bytes | bytearray | memoryview, *, direction: bytes = b"c") -> None:
         mac = self._mac(direction, self._send_seq, body)
         self._send_seq += 1
-        self.sock.sendall(_HEADER.pack(len(body)) + mac + body)
+        if len(body) < 65536:
+            self.sock.sendall(_HEADER.pack(len(body)) + mac + bytes(body))
+        else:  # large frames (artifact chunks): no copy of the body
+            self.sock.sendall(_HEADER.pack(len(body)) + mac)
+            self.sock.sendall(body)
 
-    def recv_bytes(self, *, direction: bytes = b"c") -> bytes:
+    def recv_bytes(self, *, direction: bytes = b"c") -> bytearray:
         (length,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size))
         if length > MAX_FRAME:
             raise AuthenticationError("frame too large")

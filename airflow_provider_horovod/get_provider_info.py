@@ -1,4 +1,8 @@
-"""Provider metadata, found by Airflow through the ``apache_airflow_provider`` entry point."""
+"""Provider metadata, found by Airflow through the ``apache_airflow_provider`` entry point.
+
+The ``spark`` and ``spark_connect`` connection types belong to
+``apache-airflow-providers-apache-spark``; this provider reuses them and registers none.
+"""
 
 from __future__ import annotations
 
@@ -11,4 +15,52 @@ def get_provider_info() -> dict[str, Any]:
         "name": "Horovod",
         "description": "Run Horovod training jobs on Spark, in one barrier stage, from Apache Airflow.",
         "versions": ["0.1.0"],
+        "integrations": [
+            {
+                "integration-name": "Horovod",
+                "external-doc-url": "https://horovod.readthedocs.io/",
+                "tags": ["software"],
+            }
+        ],
+        "hooks": [
+            {
+                "integration-name": "Horovod",
+                "python-modules": ["airflow_provider_horovod.hooks.horovod"],
+            }
+        ],
+        "operators": [
+            {
+                "integration-name": "Horovod",
+                "python-modules": ["airflow_provider_horovod.operators.horovod"],
+            }
+        ],
+        "task-decorators": [
+            {
+                "name": "horovod",
+                "class-name": "airflow_provider_horovod.decorators.horovod.horovod_task",
+            }
+        ],
+        "extra-links": [
+            "airflow_provider_horovod.links.SparkUILink",
+            "airflow_provider_horovod.links.HorovodTimelineLink",
+        ],
+        "config": {
+            "horovod": {
+                "description": "Settings of the Horovod provider.",
+                "options": {
+                    "artifact_root": {
+                        "description": (
+                            "Where HorovodRunnerOperator stores timelines, checkpoints and large results, "
+                            "as <artifact_root>/<dag_id>/<run_id>/<task_id>/try-<n>/. Any fsspec URL that "
+                            "Airflow's ObjectStoragePath understands (file://, s3://conn_id@bucket/path, ...). "
+                            "Empty means a folder named horovod-artifacts under AIRFLOW_HOME."
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "s3://aws_default@my-bucket/horovod",
+                        "default": "",
+                    }
+                },
+            }
+        },
     }

@@ -365,8 +365,6 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
             rows += result_rows(partition, "result", (task_dir / RESULT_FILE).read_bytes())
         if not client.connected:
             logs = {s.rank: _tail(Path(s.task_dir) / ("rank-%d.log" % s.rank)) for s in plan.slots if s.partition == partition}
-            if partition == 0 and spec.launcher == "mpirun":
-                logs[-1] = _tail(task_dir / "mpirun.log")
             rows += result_rows(partition, "logs", json.dumps(logs).encode())
         return rows
     finally:

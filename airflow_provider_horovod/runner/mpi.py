@@ -195,3 +195,4 @@ def interface_for(address: str) -> str:
             if a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address:
                 return name
     return ""
+

@@ -33,7 +33,7 @@ def _rank() -> int:
 class OutputPump:
     """Redirects fds 1 and 2 into a pipe; a thread copies lines to the old stdout and the driver."""
 
-    def __init__(self, rank: int, client, stream: bool) -> None:
+    def __init__(self, rank: int, client, stream: bool, copy_to: Path | None = None) -> None:
         self.rank = rank
         self.client = client
         self.stream = stream
@@ -42,6 +42,9 @@ class OutputPump:
         self._lock = threading.Lock()
         read_fd, write_fd = os.pipe()
         self._out = os.dup(1)
+        # Under mpirun, fd 1 goes to orted; keep a copy next to the task too, for the result rows
+        # when the driver cannot be reached. (Gloo ranks' fd 1 is that file already.)
+        self._copy = os.open(copy_to, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if copy_to else None
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(write_fd, 1)
@@ -68,6 +71,9 @@ class OutputPump:
                 return
             with contextlib.suppress(OSError):
                 os.write(self._out, chunk)
+            if self._copy is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._copy, chunk)
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for line in lines:
@@ -129,7 +135,9 @@ def main() -> int:
         address = (host, int(port))
     client = ChannelClient(address, secret)
     runtime._client = client
-    pump = OutputPump(rank, client, stream=os.environ.get("HVDRUNNER_VERBOSITY", "all") == "all")
+    under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
+    pump = OutputPump(rank, client, stream=os.environ.get("HVDRUNNER_VERBOSITY", "all") == "all",
+                      copy_to=Path(slot.task_dir) / ("rank-%d.log" % rank) if under_mpirun else None)
 
     os.environ.update(rank_env(slot))
     os.environ["HVDRUNNER_TASK_DIR"] = slot.task_dir

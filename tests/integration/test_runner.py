@@ -275,3 +275,18 @@ def test_dynamic_allocation_is_refused_before_any_spark_job(tmp_path):
     assert got["error_type"] == "HorovodRunError"
     assert "spark.dynamicAllocation.enabled=false" in got["message"]
     assert got["spark_jobs"] == 0
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_without_a_reachable_driver_logs_and_errors_come_back_with_the_stage(spark, monkeypatch, caplog, launcher):
+    # As with a Spark Connect session to a remote server: the executors cannot connect back.
+    from airflow_provider_horovod.runner.channel import Channel
+
+    monkeypatch.setattr(Channel, "start", lambda self, host: None)
+    caplog.set_level(logging.INFO, logger="airflow_provider_horovod.ranks")
+    result = HorovodRunner(2, launcher=launcher, spark=spark).run(jobs.allreduce_job, tag="no-channel")
+    assert result["sum"] == 3.0
+    assert "[rank 1] rank 1 says hello no-channel" in caplog.text
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(2, launcher=launcher, spark=spark).run(jobs.failing_job, fail_rank=1)
+    assert info.value.rank == 1 and "boom from rank 1" in str(info.value)

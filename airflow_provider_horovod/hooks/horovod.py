@@ -1,0 +1,438 @@
+"""HorovodRunnerHook: an Airflow Spark connection -> a SparkSession, the engine, the artifact store.
+
+.. seealso:: ``docs/howto/operator.md`` (the how-to for HorovodRunnerOperator and ``@task.horovod``)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseHook, ObjectStoragePath
+
+from airflow_provider_horovod.exceptions import ArtifactError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from airflow.sdk import Connection
+
+MARKER = "_ARTIFACTS.json"
+CHECKPOINTS = "checkpoints"
+EMBEDDED_MASTER = "local[2]"
+MASTER_PATTERN = re.compile(r"^(local(\[(\d+|\*)(,\s*\d+)?\])?|local-cluster\[[\d,\s]+\]|yarn|spark://.+|k8s://.+)$")
+# Extras of the ``spark`` connection that only mean something to spark-submit.
+SPARK_SUBMIT_ONLY_EXTRAS = ("spark-binary", "rest-scheme", "rest-port", "yarn_resourcemanager_webapp_address")
+# Extras of the ``spark`` connection that map onto Spark conf keys.
+EXTRA_TO_CONF = {
+    "queue": "spark.yarn.queue",
+    "namespace": "spark.kubernetes.namespace",
+    "principal": "spark.kerberos.principal",
+}
+
+
+class SparkConnectionError(ValueError):
+    """An Airflow Spark connection cannot give a SparkSession for Horovod; the message says how to fix it."""
+
+
+@dataclass
+class SparkTarget:
+    """Where the driver's SparkSession goes: a master URL (classic) or an ``sc://`` URL (Spark Connect)."""
+
+    conn_id: str
+    master: str | None = None
+    remote: str | None = None
+    conf: dict[str, str] = field(default_factory=dict)
+    embedded_fallback: bool = False
+
+    @property
+    def where(self) -> str:
+        """The target without credentials, for logs."""
+        if self.remote:
+            return self.remote.split(";", 1)[0].rstrip("/")
+        return str(self.master)
+
+
+class HorovodRunnerHook(BaseHook):
+    """
+    Run Horovod jobs on the Spark cluster of an Airflow connection and store their artifacts.
+
+    The connection is one of the ``apache.spark`` provider's types, reused as they are:
+
+    * ``spark``: ``host`` holds the master URL (``local[N]``, ``spark://host:7077``, ``yarn``,
+      ``k8s://https://host:443``); extras whose keys start with ``spark.`` become Spark conf, and
+      ``queue``, ``namespace``, ``principal`` map to their Spark conf keys. ``deploy-mode`` must be
+      ``client``: the Spark driver runs inside the Airflow task.
+    * ``spark_connect``: ``sc://host:port``, with the token in the password field.
+
+    When the default connection ``spark_default`` does not exist, the hook runs an embedded
+    ``local[2]`` Spark inside the task, so example DAGs run with no setup.
+
+    :param spark_conn_id: the Airflow connection of the Spark cluster.
+    :param spark_conf: Spark conf that overrides the connection's extras.
+    :param app_name: the Spark application name (defaults to ``airflow-horovod``).
+    """
+
+    conn_name_attr = "spark_conn_id"
+    default_conn_name = "spark_default"
+    hook_name = "Horovod on Spark"
+
+    def __init__(
+        self,
+        spark_conn_id: str = default_conn_name,
+        *,
+        spark_conf: dict[str, Any] | None = None,
+        app_name: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.spark_conn_id = spark_conn_id
+        self.spark_conf = dict(spark_conf or {})
+        self.app_name = app_name or "airflow-horovod"
+        self._session: Any = None
+        self._owns_session = False
+        self._runner: Any = None
+        self.last_run: dict[str, Any] = {}
+
+    # -- connection -> SparkSession ---------------------------------------------------------------
+    def resolve_target(self) -> SparkTarget:
+        """Read the connection and say where the SparkSession goes; no Spark is started."""
+        from airflow.sdk.exceptions import AirflowNotFoundException
+
+        try:
+            conn = self.get_connection(self.spark_conn_id)
+        except AirflowNotFoundException:
+            if self.spark_conn_id != self.default_conn_name:
+                raise
+            self.log.info(
+                "No %r connection is defined: running an embedded Spark (%s) inside this task. "
+                "Define %r (type spark or spark_connect) to use a cluster.",
+                self.spark_conn_id, EMBEDDED_MASTER, self.spark_conn_id,
+            )
+            target = SparkTarget(conn_id=self.spark_conn_id, master=EMBEDDED_MASTER, embedded_fallback=True)
+        else:
+            target = self._target_from_connection(conn)
+        target.conf.update(_conf_values(self.spark_conf, "spark_conf"))
+        return target
+
+    def _target_from_connection(self, conn: Connection) -> SparkTarget:
+        extras = _extras(conn)
+        if conn.conn_type == "spark_connect":
+            from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+
+            self._mask(conn)
+            url = SparkConnectHook(conn.conn_id).get_connection_url()
+            return SparkTarget(conn_id=conn.conn_id, remote=url)
+        if conn.conn_type != "spark":
+            raise SparkConnectionError(
+                "Connection %r has type %r; HorovodRunnerHook needs a 'spark' connection (host = master URL) "
+                "or a 'spark_connect' connection (sc://host:port)." % (conn.conn_id, conn.conn_type)
+            )
+        return SparkTarget(conn_id=conn.conn_id, master=_master_url(conn), conf=self._conf_from_extras(conn.conn_id, extras))
+
+    def _conf_from_extras(self, conn_id: str, extras: dict[str, Any]) -> dict[str, str]:
+        conf: dict[str, str] = {}
+        unknown = []
+        for key, value in extras.items():
+            if key == "deploy-mode":
+                if str(value).lower() not in ("client", ""):
+                    raise SparkConnectionError(
+                        "Connection %r sets deploy-mode=%r, but the Spark driver runs inside the Airflow task, "
+                        "so only client mode can work: remove deploy-mode from the connection's extras or set "
+                        "it to 'client'." % (conn_id, value)
+                    )
+            elif key in SPARK_SUBMIT_ONLY_EXTRAS:
+                self.log.info("Ignoring extra %r of connection %r: it only concerns spark-submit.", key, conn_id)
+            elif key in EXTRA_TO_CONF:
+                conf[EXTRA_TO_CONF[key]] = _conf_value(value, "extra %r of connection %r" % (key, conn_id))
+            elif key.startswith("spark."):
+                conf[key] = _conf_value(value, "extra %r of connection %r" % (key, conn_id))
+            else:
+                unknown.append(key)
+        if unknown:
+            raise SparkConnectionError(
+                "Connection %r has extras HorovodRunnerHook does not understand: %s. Spark conf keys start "
+                "with 'spark.' (e.g. {\"spark.executor.memory\": \"4g\"}); the other allowed keys are "
+                "deploy-mode, queue, namespace, principal." % (conn_id, ", ".join(sorted(unknown)))
+            )
+        return conf
+
+    def _mask(self, conn: Connection) -> None:
+        from urllib.parse import quote
+
+        from airflow.sdk.log import mask_secret
+
+        if conn.password:
+            mask_secret(conn.password)
+            mask_secret(quote(conn.password))
+
+    def get_conn(self) -> Any:
+        """The SparkSession for this connection, built on first use (never at DAG parse time)."""
+        if self._session is not None:
+            return self._session
+        from pyspark.sql import SparkSession
+
+        target = self.resolve_target()
+        builder = SparkSession.builder.appName(self.app_name)
+        # Spark's console progress bar only garbles the task log; the connection's conf can turn it on
+        for key, value in {"spark.ui.showConsoleProgress": "false", **target.conf}.items():
+            builder = builder.config(key, value)
+        if target.remote:
+            builder = builder.remote(target.remote)
+            self._owns_session = True
+        else:
+            active = SparkSession.getActiveSession()
+            self._owns_session = active is None
+            builder = builder.master(target.master)
+        self.log.info("Starting a SparkSession on %s (connection %r)", target.where, target.conn_id)
+        self._session = builder.getOrCreate()
+        return self._session
+
+    def stop_session(self) -> None:
+        """Stop the SparkSession if this hook started it."""
+        if self._session is not None and self._owns_session:
+            with contextlib.suppress(Exception):
+                self._session.stop()
+        self._session = None
+
+    @staticmethod
+    def spark_ui_url(session: Any) -> str | None:
+        with contextlib.suppress(Exception):
+            return session.sparkContext.uiWebUrl
+        return None
+
+    # -- the engine ------------------------------------------------------------------------------
+    def run(
+        self,
+        training_callable: Callable[..., Any] | str,
+        *,
+        np: int,
+        op_args: list[Any] | tuple[Any, ...] = (),
+        op_kwargs: dict[str, Any] | None = None,
+        on_runner: Callable[[Any], None] | None = None,
+        **runner_kwargs: Any,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Run ``training_callable(*op_args, **op_kwargs)`` on ``np`` ranks; return (result, last_run).
+
+        :param on_runner: called with the engine before it starts, so ``cancel()`` can reach it.
+        :param runner_kwargs: passed on to ``HorovodRunner`` (launcher, timeline, artifact_dir, ...).
+        """
+        from airflow_provider_horovod import HorovodRunner
+
+        runner = HorovodRunner(np, spark=self.get_conn() if np > 0 else None, **runner_kwargs)
+        self._runner = runner
+        if on_runner is not None:
+            on_runner(runner)
+        try:
+            result = runner.run(training_callable, *op_args, **(op_kwargs or {}))
+        finally:
+            self._runner = None
+            self.last_run = dict(runner.last_run)
+        return result, self.last_run
+
+    @staticmethod
+    def check_job(training_callable: Callable[..., Any] | str, op_args: Any = (), op_kwargs: Any = None) -> None:
+        """Fail before anything starts when the job cannot be shipped: a reference string that does
+        not import, an unpicklable closure or arguments that do not fit the signature (``PayloadError``)."""
+        from airflow_provider_horovod.runner.payload import build_payload
+
+        build_payload(training_callable, tuple(op_args or ()), dict(op_kwargs or {}))
+
+    def cancel(self) -> None:
+        """Cancel the running job, if any: the Spark job is interrupted and every rank process killed."""
+        runner = self._runner
+        if runner is not None:
+            runner.cancel()
+
+    # -- artifacts -------------------------------------------------------------------------------
+    @staticmethod
+    def default_artifact_root() -> str:
+        """``[horovod] artifact_root``, else ``$AIRFLOW_HOME/horovod-artifacts``."""
+        from airflow.sdk import conf
+
+        root = conf.get("horovod", "artifact_root", fallback="") or ""
+        if root.strip():
+            return root.strip()
+        home = conf.get("core", "airflow_home", fallback=None) or os.environ.get("AIRFLOW_HOME") or "~/airflow"
+        return os.path.join(os.path.expanduser(home), "horovod-artifacts")
+
+    @staticmethod
+    def storage_path(uri: str) -> ObjectStoragePath:
+        """An ObjectStoragePath for ``uri``; a plain path is a local ``file://`` path."""
+        uri = str(uri)
+        if "://" not in uri:
+            uri = "file://" + os.path.abspath(os.path.expanduser(uri))
+        return ObjectStoragePath(uri)
+
+    def try_folder(self, root: str | None, *, dag_id: str, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> ObjectStoragePath:
+        """``<root>/<dag_id>/<run_id>/<task_id>/try-<n>/``, checked writable before anything runs."""
+        task = task_id if map_index < 0 else "%s/map-%d" % (task_id, map_index)
+        root_path = self.storage_path(root or self.default_artifact_root())
+        folder = root_path / dag_id / run_id / task / ("try-%d" % try_number)
+        probe = folder / ".write-probe"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_text("ok")
+            probe.unlink()
+        except Exception as err:  # noqa: BLE001 - any storage error means "cannot write here"
+            raise ArtifactError(
+                "Cannot write Horovod artifacts under %s (%s: %s). Point artifact_root (or [horovod] "
+                "artifact_root) at a location this worker can write." % (root_path, type(err).__name__, err)
+            ) from err
+        if (folder / MARKER).exists():
+            raise ArtifactError("%s already holds a committed run; refusing to overwrite it." % folder)
+        return folder
+
+    def store_artifacts(self, local_dir: str | Path, folder: ObjectStoragePath, marker: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``local_dir`` into ``folder``, then write the marker last: the commit point.
+
+        The engine's own marker in ``local_dir`` (if any) is merged into ``marker``, and
+        ``stored_files`` lists what was copied. Returns the marker as written.
+        """
+        local = Path(local_dir)
+        engine_marker: dict[str, Any] = {}
+        files = []
+        for path in sorted(local.rglob("*")):
+            rel = path.relative_to(local).as_posix()
+            if path.is_dir() or any(part.startswith(".") for part in rel.split("/")):
+                continue  # folders come with their files; dot-names are the engine's unfinished transfers
+            if rel == MARKER:
+                with contextlib.suppress(ValueError, OSError):
+                    engine_marker = json.loads(path.read_text())
+                continue
+            _upload(path, folder / rel)
+            files.append(rel)
+        committed = {**engine_marker, **marker, "stored_files": files}
+        tmp = folder / (MARKER + ".tmp")
+        tmp.write_text(json.dumps(committed, indent=1, default=str))
+        tmp.rename(folder / MARKER)
+        return committed
+
+    @staticmethod
+    def read_marker(folder: ObjectStoragePath) -> dict[str, Any] | None:
+        """The committed marker of a try folder, or ``None`` when the store is not complete."""
+        marker = folder / MARKER
+        try:
+            return json.loads(marker.read_text())
+        except Exception:  # noqa: BLE001 - absent or unreadable: not committed
+            return None
+
+    def latest_checkpoint(self, folder: ObjectStoragePath, try_number: int) -> ObjectStoragePath | None:
+        """The checkpoints of the newest earlier try that committed a non-empty checkpoint folder."""
+        parent = folder.parent
+        for n in range(try_number - 1, 0, -1):
+            earlier = parent / ("try-%d" % n)
+            committed = self.read_marker(earlier)
+            if committed is None or committed.get("complete") is False:
+                continue
+            checkpoints = earlier / CHECKPOINTS
+            with contextlib.suppress(Exception):
+                if checkpoints.is_dir() and any(checkpoints.iterdir()):
+                    return checkpoints
+        return None
+
+    def checkpoint_at(self, uri: str) -> ObjectStoragePath:
+        """The checkpoint folder a ``resume`` URI names: a try folder, its ``checkpoints/``, or any folder.
+
+        A try folder of this provider (or its ``checkpoints/``) counts only once committed.
+        """
+        path = self.storage_path(uri)
+        if self.read_marker(path) is not None:
+            return path / CHECKPOINTS
+        if path.name == CHECKPOINTS and re.fullmatch(r"try-\d+", path.parent.name or ""):
+            if self.read_marker(path.parent) is None:
+                raise ArtifactError(
+                    "Cannot resume from %s: its run never committed its artifacts (no %s in %s). Pick a "
+                    "committed try folder." % (path, MARKER, path.parent)
+                )
+        elif re.fullmatch(r"try-\d+", path.name or ""):
+            raise ArtifactError("Cannot resume from %s: it holds no committed artifacts (no %s)." % (path, MARKER))
+        return path
+
+    def download(self, source: ObjectStoragePath | str, prefix: str = "hvd-resume-") -> str:
+        """Copy a stored checkpoint folder (or file) to a new local temporary folder; return its path."""
+        src = self.storage_path(source) if isinstance(source, str) else source
+        if not src.exists():
+            raise ArtifactError("Cannot resume from %s: it does not exist." % src)
+        local = Path(tempfile.mkdtemp(prefix=prefix))
+        if src.is_file():
+            _download(src, local / src.name)
+            return str(local)
+        for item in src.rglob("*"):
+            if item.is_file():
+                _download(item, local / item.relative_to(src).as_posix())
+        return str(local)
+
+
+def _upload(local: Path, dest: ObjectStoragePath) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with local.open("rb") as src, dest.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def _download(src: ObjectStoragePath, local: Path) -> None:
+    local.parent.mkdir(parents=True, exist_ok=True)
+    with src.open("rb") as fsrc, local.open("wb") as dst:
+        shutil.copyfileobj(fsrc, dst, 1 << 20)
+
+
+def _extras(conn: Connection) -> dict[str, Any]:
+    raw = conn.extra
+    if raw in (None, ""):
+        return {}
+    if isinstance(raw, dict):
+        extras: Any = raw
+    else:
+        try:
+            extras = json.loads(raw)
+        except ValueError as err:
+            raise SparkConnectionError(
+                "The extras of connection %r are not valid JSON (%s). Write them as a JSON object, e.g. "
+                "{\"spark.executor.memory\": \"4g\"}." % (conn.conn_id, err)
+            ) from None
+    if not isinstance(extras, dict):
+        raise SparkConnectionError(
+            "The extras of connection %r must be a JSON object of Spark conf, e.g. {\"spark.executor.memory\": "
+            "\"4g\"}; got a JSON %s." % (conn.conn_id, type(extras).__name__)
+        )
+    return extras
+
+
+def _master_url(conn: Connection) -> str:
+    host = (conn.host or "").strip()
+    if not host:
+        raise SparkConnectionError(
+            "Connection %r has no host. Put the Spark master URL in host: local[N], spark://host:7077, yarn "
+            "or k8s://https://host:443." % conn.conn_id
+        )
+    if "://" in host or not conn.port or host.startswith(("local", "yarn")):
+        master = host if not conn.port else "%s:%s" % (host, conn.port)
+    else:
+        master = "spark://%s:%s" % (host, conn.port)
+    if not MASTER_PATTERN.match(master):
+        raise SparkConnectionError(
+            "Connection %r has master URL %r, which HorovodRunnerHook cannot use. Use local[N], "
+            "spark://host:port, yarn or k8s://https://host:port (mesos is gone from Spark 4; for Spark "
+            "Connect use a spark_connect connection)." % (conn.conn_id, master)
+        )
+    return master
+
+
+def _conf_value(value: Any, what: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (str, int, float)):
+        return str(value)
+    raise SparkConnectionError("%s must be a string, number or boolean Spark conf value; got %r." % (what, value))
+
+
+def _conf_values(conf: dict[str, Any], what: str) -> dict[str, str]:
+    if not isinstance(conf, dict):
+        raise SparkConnectionError("%s must be a dict of Spark conf; got %r." % (what, conf))
+    return {str(k): _conf_value(v, "%s[%r]" % (what, k)) for k, v in conf.items()}

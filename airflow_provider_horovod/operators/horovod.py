@@ -1,0 +1,243 @@
+"""HorovodRunnerOperator: run a training callable as a Horovod job on Spark, from an Airflow task."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import Asset, BaseOperator
+
+from airflow_provider_horovod.hooks.horovod import CHECKPOINTS, HorovodRunnerHook
+from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context, ObjectStoragePath
+
+RESUME_AUTO = "auto"
+RESUME_NEVER = "never"
+SMALL_RESULT_CHARS = 4096  # a result up to this size (as JSON) goes into the asset event extra
+RESULT_FILE = "result.pkl"
+
+
+class HorovodRunnerOperator(BaseOperator):
+    """
+    Run ``training_callable`` on ``np`` Horovod ranks in one barrier-mode Spark stage.
+
+    Rank logs stream into the task log, tagged by rank. Rank 0's return value, the stored
+    artifacts (timeline, rank 0's checkpoints) and the Spark UI come back as the ``return_value``
+    XCom, a JSON dict with ``result``, ``artifacts_uri``, ``checkpoint_uri``, ``timeline_uri``,
+    ``spark_ui_url``, ``np``, ``launcher``, ``try_number`` and ``duration_s``.
+
+    Artifacts go to ``<artifact_root>/<dag_id>/<run_id>/<task_id>/try-<n>/``. A retry, or a clear
+    of the task in the UI, starts a new ``try-<n>`` folder and (with ``resume="auto"``) hands the
+    newest committed checkpoint of the earlier tries to the ranks as ``runtime.resume_dir()``.
+
+    .. seealso:: ``docs/howto/operator.md``
+
+    :param training_callable: the function every rank runs, or a ``"package.module:function"``
+        reference string to an installed function.
+    :param np: ``np > 0``: that many barrier tasks, one rank each; ``np < 0``: ``-np`` processes
+        inside the Airflow task, with no Spark job. (templated)
+    :param op_args: positional arguments for ``training_callable``. (templated)
+    :param op_kwargs: keyword arguments for ``training_callable``. (templated)
+    :param spark_conn_id: a ``spark`` or ``spark_connect`` connection; when ``spark_default`` is
+        not defined, an embedded ``local[2]`` Spark runs inside the task. (templated)
+    :param launcher: ``"mpirun"`` (default) or ``"gloo"``.
+    :param driver_log_verbosity: ``"all"`` (default) or ``"log_callback_only"``.
+    :param timeline: record a Horovod timeline on rank 0 and store it.
+    :param artifact_root: where artifacts go (any ObjectStoragePath URL); defaults to
+        ``[horovod] artifact_root``, itself defaulting to ``$AIRFLOW_HOME/horovod-artifacts``. (templated)
+    :param spark_conf: Spark conf over the connection's extras. (templated)
+    :param env: extra environment variables for every rank. (templated)
+    :param resume: ``"auto"`` (default): on a retry, resume from the newest committed checkpoint
+        of this task instance's earlier tries; ``"never"``; or the URI of a checkpoint (a try
+        folder or a checkpoints folder). (templated)
+    """
+
+    template_fields: Sequence[str] = (
+        "np",
+        "op_args",
+        "op_kwargs",
+        "spark_conn_id",
+        "spark_conf",
+        "env",
+        "artifact_root",
+        "resume",
+    )
+    template_fields_renderers = {"op_args": "py", "op_kwargs": "py", "spark_conf": "json", "env": "json"}
+    operator_extra_links = (SparkUILink(), HorovodTimelineLink())
+    ui_color = "#e6f1f2"
+
+    def __init__(
+        self,
+        *,
+        training_callable: Callable[..., Any] | str,
+        np: int | str = 2,
+        op_args: Sequence[Any] | None = None,
+        op_kwargs: dict[str, Any] | None = None,
+        spark_conn_id: str = HorovodRunnerHook.default_conn_name,
+        launcher: str = "mpirun",
+        driver_log_verbosity: str = "all",
+        timeline: bool = False,
+        artifact_root: str | None = None,
+        spark_conf: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        resume: str = RESUME_AUTO,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.training_callable = training_callable
+        self.np = np
+        self.op_args = op_args or []
+        self.op_kwargs = op_kwargs or {}
+        self.spark_conn_id = spark_conn_id
+        self.launcher = launcher
+        self.driver_log_verbosity = driver_log_verbosity
+        self.timeline = timeline
+        self.artifact_root = artifact_root
+        self.spark_conf = spark_conf or {}
+        self.env = env or {}
+        self.resume = resume
+        self._runner: Any = None
+
+    @cached_property
+    def hook(self) -> HorovodRunnerHook:
+        return HorovodRunnerHook(self.spark_conn_id, spark_conf=self.spark_conf, app_name="%s.%s" % (self.dag_id, self.task_id))
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        np = validate_np(self.np)
+        self.hook.check_job(self.training_callable, self.op_args, self.op_kwargs)
+        store = self._try_folder(context)
+        resume_from = self._resume_from(store, context["ti"].try_number)
+        self._push_spark_ui(context, np)
+        with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local:
+            result, last_run, error = self._train(np, local, resume_from)
+            xcom, timeline_link = self._store(store, local, result, last_run, context["ti"].try_number, error)
+        HorovodTimelineLink().persist(context, timeline_link)
+        if error is not None:
+            raise error
+        self._emit_asset_events(context, xcom)
+        return xcom
+
+    # -- the story's chapters --------------------------------------------------------------------
+    def _try_folder(self, context: Context) -> ObjectStoragePath:
+        ti = context["ti"]
+        map_index = getattr(ti, "map_index", -1)
+        folder = self.hook.try_folder(
+            self.artifact_root, dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id,
+            try_number=ti.try_number, map_index=map_index if isinstance(map_index, int) else -1,
+        )
+        self.log.info("Artifacts of this try go to %s", folder)
+        return folder
+
+    def _resume_from(self, store: ObjectStoragePath, try_number: int) -> str | None:
+        if self.resume in (None, "", RESUME_NEVER):
+            return None
+        if self.resume == RESUME_AUTO:
+            source = self.hook.latest_checkpoint(store, try_number) if try_number > 1 else None
+            if source is None:
+                if try_number > 1:
+                    self.log.info("No committed checkpoint in earlier tries: starting from scratch.")
+                return None
+        else:
+            source = self.hook.checkpoint_at(str(self.resume))
+        self.log.info("Resuming from checkpoint %s", source)
+        return self.hook.download(source)
+
+    def _push_spark_ui(self, context: Context, np: int) -> None:
+        if np > 0:  # builds the SparkSession: its UI is known before the job starts
+            SparkUILink().persist(context, self.hook.spark_ui_url(self.hook.get_conn()))
+
+    def _train(self, np: int, local_dir: str, resume_from: str | None) -> tuple[Any, dict[str, Any], BaseException | None]:
+        from airflow_provider_horovod import HorovodRunError
+
+        try:
+            result, last_run = self.hook.run(
+                self.training_callable, np=np, op_args=list(self.op_args), op_kwargs=dict(self.op_kwargs),
+                launcher=self.launcher, driver_log_verbosity=self.driver_log_verbosity, env=dict(self.env),
+                timeline=self.timeline, artifact_dir=local_dir, resume_from=resume_from,
+            )
+            return result, last_run, None
+        except HorovodRunError as err:  # store what the failed try left (checkpoints), then re-raise
+            return None, dict(self.hook.last_run), err
+        finally:
+            if resume_from:
+                shutil.rmtree(resume_from, ignore_errors=True)
+
+    def _store(self, store: ObjectStoragePath, local: str, result: Any, last_run: dict[str, Any],
+               try_number: int, error: BaseException | None) -> tuple[dict[str, Any], str | None]:
+        import cloudpickle
+
+        xcom_result: Any = None
+        if error is None:
+            if _is_json(result):
+                xcom_result = result
+            else:
+                (Path(local) / RESULT_FILE).write_bytes(cloudpickle.dumps(result))
+                xcom_result = {"artifact_uri": str(store / RESULT_FILE), "type": _type_name(result), "format": "cloudpickle"}
+        status = "success" if error is None else ("cancelled" if type(error).__name__ == "RunCancelledError" else "failed")
+        marker = {"status": status, "try_number": try_number, "np": last_run.get("np"), "run_id": last_run.get("run_id")}
+        committed = self.hook.store_artifacts(local, store, marker)
+        files = set(committed["stored_files"])
+        checkpoint_uri = str(store / CHECKPOINTS) if any(f.startswith(CHECKPOINTS + "/") for f in files) else None
+        timeline_uri = str(store / "timeline.json") if "timeline.json" in files else None
+        picture = str(store / "timeline.svg") if "timeline.svg" in files else None
+        self.log.info("Stored %d artifact files in %s (%s)", len(files), store, committed.get("status"))
+        xcom = {
+            "result": xcom_result,
+            "artifacts_uri": str(store),
+            "checkpoint_uri": checkpoint_uri,
+            "timeline_uri": timeline_uri,
+            "spark_ui_url": last_run.get("spark_ui_url"),
+            "np": last_run.get("np", validate_np(self.np)),
+            "launcher": self.launcher,
+            "try_number": try_number,
+            "duration_s": last_run.get("duration_s"),
+        }
+        return xcom, picture or timeline_uri
+
+    def _emit_asset_events(self, context: Context, xcom: dict[str, Any]) -> None:
+        extra = {k: xcom[k] for k in ("checkpoint_uri", "timeline_uri", "try_number", "artifacts_uri")}
+        if _is_json(xcom["result"]) and len(json.dumps(xcom["result"])) <= SMALL_RESULT_CHARS:
+            extra["result"] = xcom["result"]
+        for outlet in self.outlets:
+            if isinstance(outlet, Asset):
+                context["outlet_events"][outlet].extra.update(extra)
+
+    def on_kill(self) -> None:
+        """SIGTERM, execution_timeout or "mark failed": interrupt the Spark job and kill every rank."""
+        self.log.info("Cancelling the Horovod job")
+        self.hook.cancel()
+
+
+def validate_np(np: Any) -> int:
+    """``np`` after templating: a non-zero int (a string of digits from a template counts)."""
+    value = np
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lstrip("-").isdigit():
+            value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or value == 0:
+        raise ValueError(
+            "np must be a non-zero int after templating (np > 0: barrier tasks, np < 0: local processes); "
+            "got %r. Fix the np argument or the template that renders it." % (np,)
+        )
+    return value
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    return "%s.%s" % (cls.__module__, cls.__qualname__)

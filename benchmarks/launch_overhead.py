@@ -1,0 +1,326 @@
+"""Launch overhead of a no-op Horovod job: bare ``horovodrun`` vs ``HorovodRunner`` vs ``TorchDistributor``.
+
+Run it by hand from the repository root (it is a benchmark, not a test)::
+
+    .venv/bin/python benchmarks/launch_overhead.py              # 5 rounds
+    .venv/bin/python benchmarks/launch_overhead.py --rounds 9   # less noise, longer
+
+Every contender runs the same no-op job with 2 ranks: ``hvd.init()``, one ``hvd.allreduce`` of a
+1-element tensor, return (TorchDistributor: ``init_process_group("gloo")``, one ``all_reduce``,
+``destroy_process_group``). The contenders are
+
+* ``horovodrun``: ``horovodrun -np 2 -H localhost:2 python noop.py`` through ``subprocess``
+  (a script file written to a temp dir; horovodrun picks MPI when it is there, as the runner's
+  default launcher does); wall time of the whole command;
+* ``HorovodRunner(2, spark=spark).run(noop)``, with ``launcher="mpirun"`` (the default) and
+  ``launcher="gloo"``, on a warm ``local[2]`` SparkSession;
+* ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(fn)`` on the same
+  session (distributed mode: one barrier task per process, ``torchrun`` in each).
+
+Each contender gets one untimed warm-up run; then the contenders alternate for ``--rounds`` rounds
+and the script prints the median wall time of each and the ratios against the targets
+(HorovodRunner <= 1.5x horovodrun, <= 0.5x TorchDistributor), all from this one run.
+
+It also prints where the time goes: rank 0 records wall-clock stamps as the job function starts,
+after ``import torch``/``horovod``, after ``init`` and after the allreduce, so each wall splits into
+*start* (until rank 0's function is entered), *import*, *init*, *op*, and *end* (from the op to
+the call's return, teardown included). All stamps come from the same clock on one machine.
+For HorovodRunner the driver also notes when the runner's own channel events arrive (a barrier
+task started, the plan is made, mpirun asked for orted), which splits *start* further; the hook
+only wraps ``Channel.handle`` in this process and changes nothing the runner does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import traceback
+from pathlib import Path
+
+NP = 2
+HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
+TARGET_VS_HOROVODRUN = 1.5
+TARGET_VS_TORCHDISTRIBUTOR = 0.5
+
+
+# -- the job functions (shipped by value: every import is inside) -------------------------------
+def noop():
+    """The no-op Horovod job: init, one 1-element allreduce, return rank 0's timestamps."""
+    import time
+
+    stamps = {"enter": time.time()}
+    import horovod.torch as hvd
+    import torch
+
+    stamps["imported"] = time.time()
+    hvd.init()
+    stamps["init"] = time.time()
+    out = hvd.allreduce(torch.ones(1), name="noop")
+    stamps["op"] = time.time()
+    assert out.item() == 1.0, out  # Average of ones
+    stamps["size"] = hvd.size()
+    return stamps
+
+
+def torch_noop():
+    """The same job in plain torch.distributed, for TorchDistributor (env set by torchrun)."""
+    import time
+
+    stamps = {"enter": time.time()}
+    import torch
+    import torch.distributed as dist
+
+    stamps["imported"] = time.time()
+    dist.init_process_group("gloo")
+    stamps["init"] = time.time()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    stamps["op"] = time.time()
+    assert t.item() == float(dist.get_world_size()), t
+    stamps["size"] = dist.get_world_size()
+    dist.destroy_process_group()
+    return stamps
+
+
+SCRIPT = '''\
+import json, sys
+
+{source}
+
+if __name__ == "__main__":
+    stamps = noop()
+    import horovod.torch as hvd
+    if hvd.rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(stamps, f)
+'''
+
+
+# -- HorovodRunner's channel events, stamped on arrival at the driver -------------------------------
+EVENTS: list[tuple[float, str]] = []
+
+
+def hook_channel_events() -> None:
+    from airflow_provider_horovod.runner.channel import Channel
+
+    original = Channel.handle
+
+    def handle(self, msg):
+        if isinstance(msg, dict) and msg.get("t") == "event":
+            EVENTS.append((time.time(), str(msg.get("kind"))))
+        return original(self, msg)
+
+    Channel.handle = handle
+
+
+def runner_start_split(t0: float, enter: float) -> dict:
+    """Seconds from run() to: the last barrier task started, the plan, orted launched, rank 0's fn."""
+    out = {}
+    started = [t for t, k in EVENTS if k == "task-started"]
+    if started:
+        out["tasks started"] = max(started) - t0
+    for kind, label in (("plan", "plan made"), ("orted-launched", "orted launched")):
+        ts = [t for t, k in EVENTS if k == kind]
+        if ts:
+            out[label] = min(ts) - t0
+    out["fn entered"] = enter - t0
+    return out
+
+
+# -- contenders ---------------------------------------------------------------------------------
+class Contenders:
+    def __init__(self, spark, workdir: Path) -> None:
+        self.spark = spark
+        self.workdir = workdir
+        self.script = workdir / "noop.py"
+        self.script.write_text(SCRIPT.format(source=textwrap.dedent(inspect.getsource(noop))))
+
+    def horovodrun(self) -> dict:
+        out = self.workdir / "stamps.json"
+        out.unlink(missing_ok=True)
+        cmd = [HOROVODRUN, "-np", str(NP), "-H", "localhost:%d" % NP, sys.executable, str(self.script), str(out)]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError("horovodrun exited with %d:\n%s" % (proc.returncode, proc.stdout[-3000:]))
+        return json.loads(out.read_text())
+
+    def runner(self, launcher: str) -> dict:
+        from airflow_provider_horovod import HorovodRunner
+
+        return HorovodRunner(NP, launcher=launcher, spark=self.spark, driver_log_verbosity="log_callback_only").run(noop)
+
+    def runner_mpirun(self) -> dict:
+        return self.runner("mpirun")
+
+    def runner_gloo(self) -> dict:
+        return self.runner("gloo")
+
+    def torchdistributor(self) -> dict:
+        from pyspark.ml.torch.distributor import TorchDistributor
+
+        return TorchDistributor(num_processes=NP, local_mode=False, use_gpu=False).run(torch_noop)
+
+
+NAMES = {
+    "horovodrun": "horovodrun -np 2 (subprocess)",
+    "runner_mpirun": "HorovodRunner(2) mpirun",
+    "runner_gloo": "HorovodRunner(2) gloo",
+    "torchdistributor": "TorchDistributor(2, local_mode=False)",
+}
+
+
+def timed(fn) -> tuple[float, dict | None, str | None]:
+    EVENTS.clear()
+    t0 = time.time()
+    try:
+        stamps = fn()
+    except Exception as err:  # noqa: BLE001 - a misbehaving contender is reported, not hidden
+        return time.time() - t0, None, "%s: %s" % (type(err).__name__, str(err).strip().splitlines()[0][:300] if str(err).strip() else "")
+    t1 = time.time()
+    if not isinstance(stamps, dict) or stamps.get("size") != NP:
+        return t1 - t0, None, "unexpected return value %r" % (stamps,)
+    split = {
+        "start": stamps["enter"] - t0,
+        "import": stamps["imported"] - stamps["enter"],
+        "init": stamps["init"] - stamps["imported"],
+        "op": stamps["op"] - stamps["init"],
+        "end": t1 - stamps["op"],
+    }
+    if EVENTS:
+        split["runner"] = runner_start_split(t0, stamps["enter"])
+    return t1 - t0, split, None
+
+
+def make_spark():
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("hvdrunner-launch-overhead")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.range(4, numPartitions=2).collect()  # start the JVM side and the Python workers
+    return spark
+
+
+def fmt_ratio(num: float | None, den: float | None) -> tuple[str, float | None]:
+    if num is None or den is None:
+        return "n/a", None
+    return "%.2fx" % (num / den), num / den
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per contender (default 5)")
+    parser.add_argument("--skip", action="append", default=[], choices=sorted(NAMES),
+                        help="leave a contender out (repeatable)")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    # Docker-friendly shared memory for Open MPI, as the test suite uses; applies to both MPI contenders.
+    os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+
+    signal.signal(signal.SIGTERM, _interrupt)  # a timeout still gets the summary of the rounds so far
+    hook_channel_events()
+    t_setup = time.time()
+    spark = make_spark()
+    print("SparkSession local[2] up in %.1fs; Python %s; %d CPUs; load average %.2f %.2f %.2f"
+          % ((time.time() - t_setup, sys.version.split()[0], os.cpu_count()) + os.getloadavg()))
+    order = [n for n in NAMES if n not in args.skip]
+    walls: dict[str, list[float]] = {n: [] for n in order}
+    splits: dict[str, list[dict]] = {n: [] for n in order}
+    errors: dict[str, list[str]] = {n: [] for n in order}
+
+    with tempfile.TemporaryDirectory(prefix="hvd-launch-bench-") as tmp:
+        c = Contenders(spark, Path(tmp))
+        print("warm-up (untimed):")
+        for name in order:
+            wall, _, err = timed(getattr(c, name))
+            print("  %-40s %6.2fs%s" % (NAMES[name], wall, "  FAILED: " + err if err else ""), flush=True)
+        done = 0
+        try:
+            for r in range(args.rounds):
+                # Alternate, rotating the start so no contender always runs right after the same one.
+                k = r % len(order)
+                line, got = [], []
+                for name in order[k:] + order[:k]:
+                    wall, split, err = timed(getattr(c, name))
+                    if err:
+                        errors[name].append(err)
+                        line.append("%s FAILED" % name)
+                        print("    %s failed in round %d: %s" % (NAMES[name], r + 1, err))
+                        continue
+                    got.append((name, wall, split))
+                    line.append("%s %.2fs" % (name, wall))
+                for name, wall, split in got:  # only whole rounds count
+                    walls[name].append(wall)
+                    splits[name].append(split)
+                done += 1
+                print("round %d/%d: %s" % (r + 1, args.rounds, ", ".join(line)), flush=True)
+        except KeyboardInterrupt:
+            print("interrupted in round %d: the summary below covers the %d whole rounds before it" % (done + 1, done))
+
+    med = {n: statistics.median(w) if w else None for n, w in walls.items()}
+    print("load average at the end: %.2f %.2f %.2f (other work on the machine skews every number)" % os.getloadavg())
+    print()
+    print("Median wall time of a no-op np=2 job over %d rounds (warm SparkSession, local[2])" % done)
+    print("%-40s %8s %8s %8s   %s" % ("contender", "median", "min", "max", "median split: start / import / init / op / end"))
+    for name in order:
+        if not walls[name]:
+            why = "%d runs failed, first: %s" % (len(errors[name]), errors[name][0]) if errors[name] else "no whole round"
+            print("%-40s %8s   %s" % (NAMES[name], "-", why))
+            continue
+        parts = " / ".join("%s %.2f" % (k, statistics.median(s[k] for s in splits[name])) for k in ("start", "import", "init", "op", "end"))
+        fails = "  (%d failed runs)" % len(errors[name]) if errors[name] else ""
+        print("%-40s %7.2fs %7.2fs %7.2fs   %s%s" % (NAMES[name], med[name], min(walls[name]), max(walls[name]), parts, fails))
+    for name in order:
+        marks = [s["runner"] for s in splits[name] if "runner" in s]
+        if marks:
+            keys = [k for k in marks[0] if all(k in m for m in marks)]
+            print("  %s start, median seconds after run(): %s" % (
+                NAMES[name], ", ".join("%s %.2f" % (k, statistics.median(m[k] for m in marks)) for k in keys)))
+
+    print()
+    print("%-46s %8s %8s  %s" % ("ratio (medians)", "measured", "target", "result"))
+
+    for runner in ("runner_mpirun", "runner_gloo"):
+        if runner not in order:
+            continue
+        for other, target, label in (("horovodrun", TARGET_VS_HOROVODRUN, "horovodrun"),
+                                     ("torchdistributor", TARGET_VS_TORCHDISTRIBUTOR, "TorchDistributor")):
+            if other not in order:
+                continue
+            text, value = fmt_ratio(med[runner], med[other])
+            verdict = "n/a (a contender failed)" if value is None else ("PASS" if value <= target else "MISS")
+
+            print("%-46s %8s %8s  %s" % ("%s / %s" % (NAMES[runner].replace("HorovodRunner(2) ", "HorovodRunner "), label),
+                                        text, "<= %.1fx" % target, verdict))
+    spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        sys.exit(130)

@@ -1,0 +1,209 @@
+"""Training throughput under ``HorovodRunner`` vs bare ``horovodrun``: images/s per rank, np=2, CPU.
+
+Run it by hand from the repository root (it is a benchmark, not a test)::
+
+    .venv/bin/python benchmarks/throughput.py              # 3 rounds
+    .venv/bin/python benchmarks/throughput.py --rounds 5 --steps 200
+
+Both contenders run the same function, ``train``: a small CNN (2 conv layers, 1x28x28 inputs,
+10 classes) on synthetic images generated in the rank from a fixed seed, batch 32, SGD wrapped in
+``hvd.DistributedOptimizer``, parameters and optimizer state broadcast from rank 0. Each rank does
+``--warmup`` untimed steps, then times ``--steps`` steps with ``time.perf_counter`` inside the rank
+and reports images/second. ``torch.set_num_threads(1)`` in every rank, so the 2 ranks do not
+oversubscribe 2 cores. The contenders are
+
+* ``horovodrun -np 2 -H localhost:2 python train.py`` (a script file written to a temp dir, holding
+  the same ``train`` source; horovodrun picks MPI when it is there);
+* ``HorovodRunner(2, spark=spark).run(train, ...)`` on a warm ``local[2]`` SparkSession, with the
+  default launcher (mpirun); ``--launcher gloo`` to try the other one.
+
+They alternate for ``--rounds`` rounds (after one untimed warm-up run each); the script prints the
+median per-rank images/s of each and the ratio runner/horovodrun against the target (>= 0.95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+NP = 2
+HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
+TARGET = 0.95
+
+
+def train(steps=100, warmup=10, batch_size=32, seed=1234, threads=1):
+    """Train a small CNN on synthetic data; return every rank's images/s (gathered on all ranks)."""
+    import time
+
+    import horovod.torch as hvd
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    hvd.init()
+    torch.manual_seed(seed + hvd.rank())
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 16, 3, 1)
+            self.conv2 = nn.Conv2d(16, 32, 3, 1)
+            self.fc1 = nn.Linear(32 * 12 * 12, 64)
+            self.fc2 = nn.Linear(64, 10)
+
+        def forward(self, x):
+            x = F.relu(self.conv1(x))
+            x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+            x = F.relu(self.fc1(torch.flatten(x, 1)))
+            return F.log_softmax(self.fc2(x), dim=1)
+
+    # A fixed synthetic set: 16 batches of images and labels, cycled.
+    n = 16 * batch_size
+    images = torch.randn(n, 1, 28, 28)
+    labels = torch.randint(0, 10, (n,))
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+    def step(i):
+        lo = (i % 16) * batch_size
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(images[lo : lo + batch_size]), labels[lo : lo + batch_size])
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    model.train()
+    for i in range(warmup):
+        step(i)
+    hvd.allreduce(torch.zeros(1), name="timing.start")  # start the clock together
+    t0 = time.perf_counter()
+    for i in range(steps):
+        loss = step(warmup + i)
+    elapsed = time.perf_counter() - t0
+    rate = steps * batch_size / elapsed
+    rates = hvd.allgather_object(rate)
+    return {"rates": rates, "size": hvd.size(), "loss": float(loss.item()), "steps": steps, "batch_size": batch_size}
+
+
+SCRIPT = '''\
+import json, sys
+
+{source}
+
+if __name__ == "__main__":
+    kwargs = json.loads(sys.argv[2])
+    result = train(**kwargs)
+    import horovod.torch as hvd
+    if hvd.rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(result, f)
+'''
+
+
+def make_spark():
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("hvdrunner-throughput")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.range(4, numPartitions=2).collect()
+    return spark
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per contender (default 3)")
+    parser.add_argument("--steps", type=int, default=100, help="timed training steps per run (default 100)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps before the clock starts (default 10)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--launcher", choices=("mpirun", "gloo"), default="mpirun", help="HorovodRunner's launcher")
+    args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        parser.error("--rounds and --steps must be >= 1")
+    os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")  # as the test suite; both contenders
+    kwargs = {"steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size}
+
+    from airflow_provider_horovod import HorovodRunner
+
+    spark = make_spark()
+    print("SparkSession local[2] up; Python %s; %d CPUs; %s; load average %.2f %.2f %.2f"
+          % ((sys.version.split()[0], os.cpu_count(), kwargs) + os.getloadavg()))
+
+    with tempfile.TemporaryDirectory(prefix="hvd-throughput-bench-") as tmp:
+        script = Path(tmp) / "train.py"
+        script.write_text(SCRIPT.format(source=textwrap.dedent(inspect.getsource(train))))
+        out = Path(tmp) / "result.json"
+
+        def horovodrun() -> dict:
+            out.unlink(missing_ok=True)
+            cmd = [HOROVODRUN, "-np", str(NP), "-H", "localhost:%d" % NP, sys.executable, str(script), str(out), json.dumps(kwargs)]
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError("horovodrun exited with %d:\n%s" % (proc.returncode, proc.stdout[-3000:]))
+            return json.loads(out.read_text())
+
+        def runner() -> dict:
+            return HorovodRunner(NP, launcher=args.launcher, spark=spark, driver_log_verbosity="log_callback_only").run(train, **kwargs)
+
+        contenders = {"horovodrun": horovodrun, "runner": runner}
+        names = {"horovodrun": "horovodrun -np 2", "runner": "HorovodRunner(2) %s" % args.launcher}
+        rates: dict[str, list[list[float]]] = {n: [] for n in contenders}
+
+        print("warm-up (untimed):")
+        for name, fn in contenders.items():
+            t0 = time.time()
+            res = fn()
+            print("  %-28s per-rank images/s %s (wall %.1fs)" % (names[name], ", ".join("%.0f" % r for r in res["rates"]), time.time() - t0))
+        order = list(contenders)
+        for r in range(args.rounds):
+            line = []
+            for name in order[r % 2 :] + order[: r % 2]:
+                t0 = time.time()
+                res = contenders[name]()
+                assert res["size"] == NP, res
+                rates[name].append(res["rates"])
+                line.append("%s %s img/s per rank (wall %.1fs)" % (name, "/".join("%.0f" % x for x in res["rates"]), time.time() - t0))
+            print("round %d/%d: %s" % (r + 1, args.rounds, "; ".join(line)))
+    spark.stop()
+    print("load average at the end: %.2f %.2f %.2f (other work on the machine skews every number)" % os.getloadavg())
+
+    print()
+    print("Per-rank training throughput, np=2, batch %d, %d timed steps, median over %d rounds"
+          % (args.batch_size, args.steps, args.rounds))
+    print("%-28s %12s %12s %16s %s" % ("contender", "rank 0", "rank 1", "mean per rank", "  (min-max of per-round means)"))
+    med = {}
+    for name in order:
+        per_rank = [statistics.median(run[i] for run in rates[name]) for i in range(NP)]
+        means = [sum(run) / NP for run in rates[name]]
+        med[name] = statistics.median(means)
+        print("%-28s %12.0f %12.0f %16.0f   (%.0f-%.0f)" % (names[name], per_rank[0], per_rank[1], med[name], min(means), max(means)))
+    ratio = med["runner"] / med["horovodrun"]
+    print()
+    print("ratio runner/horovodrun (median per-rank images/s): %.3f   target >= %.2f   %s"
+          % (ratio, TARGET, "PASS" if ratio >= TARGET else "MISS"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Test DAG: HorovodRunnerOperator with a reference string and a templated np; @task.horovod with a
+result that is not JSON-serializable; @task.horovod whose first try fails after a checkpoint."""
+
+from __future__ import annotations
+
+import datetime
+
+import pendulum
+
+from airflow.sdk import dag, task
+
+from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
+
+
+@dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False, params={"ranks": 2})
+def hvd_test_tasks():
+    HorovodRunnerOperator(
+        task_id="by_reference",
+        training_callable="airflow_provider_horovod.runtime:size",  # an installed function: rank 0 returns the world size
+        np="{{ params.ranks }}",
+        launcher="gloo",
+    )
+
+    @task.horovod(np=2, launcher="gloo")
+    def decorated(scale: int):
+        import horovod.torch as hvd
+        import torch
+
+        hvd.init()
+        total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
+        print("allreduce sum %s" % total, flush=True)
+        return {frozenset({"sum"}), total * scale}  # a set: not JSON, so it is stored as an artifact
+
+    decorated(10)
+
+
+@dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False)
+def hvd_test_retry():
+    @task.horovod(np=2, retries=1, retry_delay=datetime.timedelta(seconds=0))
+    def flaky():
+        import horovod.torch as hvd
+
+        from airflow_provider_horovod import runtime
+
+        hvd.init()
+        resume = runtime.resume_dir()
+        if resume is None:  # the first try: save a checkpoint, then die
+            if hvd.rank() == 0:
+                (runtime.checkpoint_dir() / "step.txt").write_text("41")
+            hvd.allreduce_(__import__("torch").zeros(1), name="barrier")
+            raise RuntimeError("first try fails after its checkpoint")
+        return {"resumed_step": int((resume / "step.txt").read_text()) + 1, "rank": hvd.rank()}
+
+    flaky()
+
+
+@dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False)
+def hvd_test_kill():
+    @task.horovod(np=2)
+    def forever():
+        import time
+
+        import horovod.torch as hvd
+
+        hvd.init()
+        for step in range(100000):
+            print("training step %d" % step, flush=True)
+            time.sleep(0.5)
+
+    forever()
+
+
+@dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False, params={"ranks": "two"})
+def hvd_test_bad_input():
+    HorovodRunnerOperator(task_id="np_not_an_int", training_callable="airflow_provider_horovod.runtime:size",
+                          np="{{ params.ranks }}")
+    HorovodRunnerOperator(task_id="reference_does_not_import", training_callable="no_such_pkg_hvd.train:main", np=2)
+    HorovodRunnerOperator(task_id="unwritable_root", training_callable="airflow_provider_horovod.runtime:size", np=2,
+                          artifact_root="/proc/hvd-cannot-write-here")
+
+
+hvd_test_tasks()
+hvd_test_retry()
+hvd_test_kill()
+hvd_test_bad_input()

@@ -1,0 +1,225 @@
+"""End to end through Airflow: ``airflow dags test`` in a throwaway AIRFLOW_HOME on SQLite.
+
+Each test runs the real CLI in a subprocess, so the task runs exactly as it does under
+``airflow dags test`` for a user: real parsing, real templating, real XCom and asset events in the
+metadata database, real Spark ``local[2]``, real Horovod ranks and mpirun. Assertions read the
+results back from the metadata database and from the artifact store.
+
+Retries: ``airflow dags test`` runs a failed task's retries itself (up_for_retry -> scheduled again
+once ``retry_delay`` has passed), so the retry test is a plain ``dags test`` with ``retries=1`` and
+``retry_delay=0``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import cloudpickle
+import psutil
+import pytest
+
+from tests.conftest import wait_no_run_processes
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
+
+REPO = Path(__file__).resolve().parents[2]
+AIRFLOW = str(Path(sys.executable).with_name("airflow"))
+DAG_TIMEOUT_S = 300
+
+
+class AirflowHome:
+    """A throwaway AIRFLOW_HOME with a migrated SQLite DB, the example DAGs and the test DAGs."""
+
+    def __init__(self, root: Path) -> None:
+        self.home = root / "airflow"
+        self.dags = root / "dags"
+        self.artifacts = root / "artifacts"
+        self.dags.mkdir(parents=True)
+        for source in [*sorted((REPO / "dags").glob("*.py")), *sorted((REPO / "tests/integration/airflow_dags").glob("*.py"))]:
+            shutil.copy(source, self.dags / source.name)
+        self.env = {
+            **os.environ,
+            "AIRFLOW_HOME": str(self.home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+            "AIRFLOW__HOROVOD__ARTIFACT_ROOT": "file://%s" % self.artifacts,
+            "SPARK_LOCAL_IP": "127.0.0.1",
+            "PYSPARK_PYTHON": sys.executable,
+            "PYSPARK_DRIVER_PYTHON": sys.executable,
+            "PATH": "%s:%s" % (Path(sys.executable).parent, os.environ.get("PATH", "")),
+            # spark_default is left undefined on purpose: the tasks fall back to embedded local[2].
+        }
+        self.env.pop("AIRFLOW_CONN_SPARK_DEFAULT", None)
+        subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, check=True, capture_output=True, timeout=300)
+
+    def dags_test(self, dag_id: str, **popen: object) -> subprocess.CompletedProcess:
+        return subprocess.run([AIRFLOW, "dags", "test", dag_id], env=self.env, capture_output=True, text=True,
+                              timeout=DAG_TIMEOUT_S, **popen)
+
+    def query(self, sql: str, *args: object) -> list[tuple]:
+        with sqlite3.connect(self.home / "airflow.db") as db:
+            return db.execute(sql, args).fetchall()
+
+    def last_run_id(self, dag_id: str) -> str:
+        return self.query("SELECT run_id FROM dag_run WHERE dag_id = ? ORDER BY id DESC LIMIT 1", dag_id)[0][0]
+
+    def xcom(self, dag_id: str, task_id: str, key: str = "return_value") -> object:
+        rows = self.query("SELECT value FROM xcom WHERE dag_id = ? AND task_id = ? AND key = ? AND run_id = ?",
+                          dag_id, task_id, key, self.last_run_id(dag_id))
+        assert rows, "no %s XCom for %s.%s" % (key, dag_id, task_id)
+        value = rows[0][0]
+        return json.loads(value) if isinstance(value, (str, bytes)) else value
+
+    def task_states(self, dag_id: str) -> dict[str, tuple[str, int]]:
+        rows = self.query("SELECT task_id, state, try_number FROM task_instance WHERE dag_id = ? AND run_id = ?",
+                          dag_id, self.last_run_id(dag_id))
+        return {task: (state, tries) for task, state, tries in rows}
+
+    def asset_extras(self, name: str) -> list[dict]:
+        rows = self.query("SELECT e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id WHERE a.name = ? "
+                          "ORDER BY e.id", name)
+        return [json.loads(extra) if isinstance(extra, str) else extra for (extra,) in rows]
+
+
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory) -> AirflowHome:
+    return AirflowHome(tmp_path_factory.mktemp("airflow-e2e"))
+
+
+def local(uri: str) -> Path:
+    assert uri.startswith("file://"), uri
+    return Path(uri[len("file://"):])
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return "rc=%s\n--- stdout (tail)\n%s\n--- stderr (tail)\n%s" % (proc.returncode, proc.stdout[-6000:], proc.stderr[-6000:])
+
+
+def test_digits_example_trains_evaluates_and_publishes_the_model(airflow):
+    proc = airflow.dags_test("horovod_digits_train")
+    assert proc.returncode == 0, explain(proc)
+    assert airflow.task_states("horovod_digits_train") == {"train": ("success", 1), "evaluate": ("success", 1)}
+
+    trained = airflow.xcom("horovod_digits_train", "train")
+    assert trained["result"]["epochs"] == 8 and trained["result"]["ranks"] == 2
+    assert (trained["np"], trained["launcher"], trained["try_number"]) == (2, "mpirun", 1)
+    assert trained["duration_s"] > 0
+    store = local(trained["artifacts_uri"])
+    assert store.parts[-4:] == ("horovod_digits_train", airflow.last_run_id("horovod_digits_train"), "train", "try-1")
+    assert json.loads((store / "_ARTIFACTS.json").read_text())["status"] == "success"
+    assert (local(trained["checkpoint_uri"]) / "model.pt").stat().st_size > 0
+    assert isinstance(json.loads(local(trained["timeline_uri"]).read_text()), (list, dict))  # valid Chrome trace
+    assert (store / "timeline.svg").exists()
+    assert airflow.xcom("horovod_digits_train", "train", "horovod_timeline_url") == str(store / "timeline.svg").replace(str(store), trained["artifacts_uri"])
+    assert str(airflow.xcom("horovod_digits_train", "train", "horovod_spark_ui_url")).startswith("http")
+
+    evaluated = airflow.xcom("horovod_digits_train", "evaluate")
+    assert evaluated["accuracy"] >= 0.90
+    assert "Held-out accuracy" in proc.stdout + proc.stderr
+
+    (extra,) = airflow.asset_extras("horovod_digits_model")
+    assert extra["checkpoint_uri"] == trained["checkpoint_uri"]
+    assert extra["timeline_uri"] == trained["timeline_uri"]
+    assert extra["try_number"] == 1
+    assert extra["result"] == trained["result"]
+
+
+def test_retrain_example_fine_tunes_from_the_published_checkpoint(airflow):
+    if not airflow.asset_extras("horovod_digits_model"):
+        pytest.skip("needs the horovod_digits_train run of the test above")
+    published = airflow.asset_extras("horovod_digits_model")[-1]
+    proc = airflow.dags_test("horovod_digits_retrain")
+    assert proc.returncode == 0, explain(proc)
+    assert airflow.xcom("horovod_digits_retrain", "latest_checkpoint") == published["checkpoint_uri"]
+    tuned = airflow.xcom("horovod_digits_retrain", "fine_tune")
+    assert tuned["result"]["fine_tuned_from_epoch"] == 8 and tuned["result"]["epochs"] == 10
+    assert tuned["checkpoint_uri"] != published["checkpoint_uri"]
+    assert airflow.xcom("horovod_digits_retrain", "evaluate")["accuracy"] >= 0.90
+    assert "Resuming from checkpoint %s" % published["checkpoint_uri"] in proc.stdout + proc.stderr
+
+
+def test_reference_string_operator_and_task_horovod_decorator(airflow):
+    proc = airflow.dags_test("hvd_test_tasks")
+    assert proc.returncode == 0, explain(proc)
+    by_reference = airflow.xcom("hvd_test_tasks", "by_reference")
+    assert by_reference["result"] == 2  # runtime.size() on rank 0 of np="{{ params.ranks }}" = 2 ranks
+    assert (by_reference["np"], by_reference["launcher"]) == (2, "gloo")
+    assert by_reference["checkpoint_uri"] is None and by_reference["timeline_uri"] is None
+
+    decorated = airflow.xcom("hvd_test_tasks", "decorated")
+    stored = decorated["result"]
+    assert stored["type"] == "builtins.set" and stored["format"] == "cloudpickle"
+    assert cloudpickle.loads(local(stored["artifact_uri"]).read_bytes()) == {frozenset({"sum"}), 30.0}
+    assert "[rank 1] allreduce sum 3.0" in proc.stdout + proc.stderr  # rank output streams into the task log
+
+
+def test_retry_resumes_from_the_checkpoint_of_the_failed_try(airflow):
+    proc = airflow.dags_test("hvd_test_retry")
+    assert proc.returncode == 0, explain(proc)
+    assert airflow.task_states("hvd_test_retry") == {"flaky": ("success", 2)}
+    second = airflow.xcom("hvd_test_retry", "flaky")
+    assert second["try_number"] == 2
+    assert second["result"] == {"resumed_step": 42, "rank": 0}
+    first_store = local(second["artifacts_uri"]).parent / "try-1"
+    assert json.loads((first_store / "_ARTIFACTS.json").read_text())["status"] == "failed"
+    assert (first_store / "checkpoints" / "step.txt").read_text() == "41"
+    assert local(second["artifacts_uri"]).name == "try-2"
+
+
+def test_sigterm_cancels_the_spark_job_and_leaves_no_process(airflow):
+    proc = subprocess.Popen([AIRFLOW, "dags", "test", "hvd_test_kill"], env=airflow.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    training = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "training step 3" in line:
+                training.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert training.wait(DAG_TIMEOUT_S), "training never started:\n" + "".join(lines[-80:])
+        family = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        started = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(120)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    output = "".join(lines)
+    assert took < 60, output[-4000:]
+    assert wait_no_run_processes(15) == []
+    assert [pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE] == []
+    assert "Cancelling the Horovod job" in output
+    assert airflow.task_states("hvd_test_kill")["forever"][0] == "failed"
+    run_id = airflow.last_run_id("hvd_test_kill")
+    marker = airflow.artifacts / "hvd_test_kill" / run_id / "forever" / "try-1" / "_ARTIFACTS.json"
+    assert json.loads(marker.read_text())["status"] == "cancelled"
+
+
+def test_bad_input_fails_before_training_with_errors_that_name_the_fix(airflow):
+    proc = airflow.dags_test("hvd_test_bad_input")
+    output = proc.stdout + proc.stderr
+    states = airflow.task_states("hvd_test_bad_input")
+    assert {task: state for task, (state, _) in states.items()} == {
+        "np_not_an_int": "failed", "reference_does_not_import": "failed", "unwritable_root": "failed",
+    }, explain(proc)
+    assert "np must be a non-zero int after templating" in output and "'two'" in output
+    assert "Cannot import module 'no_such_pkg_hvd.train'" in output
+    assert "Cannot write Horovod artifacts under file:///proc/hvd-cannot-write-here" in output
+    assert "Starting Horovod job" not in output and "Starting a SparkSession" not in output

@@ -1,0 +1,173 @@
+"""HorovodRunnerHook: Airflow connections (as AIRFLOW_CONN_* JSON) -> where the SparkSession goes; the artifact store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from airflow_provider_horovod.exceptions import ArtifactError
+from airflow_provider_horovod.hooks.horovod import MARKER, HorovodRunnerHook, SparkConnectionError
+
+
+@pytest.fixture(autouse=True)
+def airflow_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "airflow"))
+    return tmp_path / "airflow"
+
+
+def conn(monkeypatch, conn_id: str, **fields) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_%s" % conn_id.upper(), json.dumps(fields))
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "master"),
+    [
+        ("local[3]", None, "local[3]"),
+        ("local[*]", None, "local[*]"),
+        ("spark://10.0.0.5:7077", None, "spark://10.0.0.5:7077"),
+        ("10.0.0.5", 7077, "spark://10.0.0.5:7077"),
+        ("yarn", None, "yarn"),
+        ("k8s://https://kube.example:443", None, "k8s://https://kube.example:443"),
+    ],
+)
+def test_spark_connection_host_is_the_master_url(monkeypatch, host, port, master):
+    conn(monkeypatch, "spark_x", conn_type="spark", host=host, **({"port": port} if port else {}))
+    target = HorovodRunnerHook("spark_x").resolve_target()
+    assert (target.master, target.remote, target.embedded_fallback) == (master, None, False)
+
+
+def test_extras_become_spark_conf_and_operator_conf_wins(monkeypatch):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="yarn",
+         extra={"spark.executor.memory": "4g", "spark.dynamicAllocation.enabled": False, "queue": "ml",
+                "deploy-mode": "client", "spark-binary": "spark-submit", "spark.executor.cores": 2})
+    target = HorovodRunnerHook("spark_x", spark_conf={"spark.executor.memory": "8g"}).resolve_target()
+    assert target.conf == {
+        "spark.executor.memory": "8g",
+        "spark.dynamicAllocation.enabled": "false",
+        "spark.yarn.queue": "ml",
+        "spark.executor.cores": "2",
+    }
+
+
+def test_spark_connect_connection_gives_a_remote_url_with_its_token(monkeypatch):
+    conn(monkeypatch, "spark_connect_x", conn_type="spark_connect", host="sc://connect.example", port=15002,
+         password="tok-123456")
+    target = HorovodRunnerHook("spark_connect_x").resolve_target()
+    assert target.master is None
+    assert target.remote == "sc://connect.example:15002/;token=tok-123456"
+    assert target.where == "sc://connect.example:15002"  # what the log shows: no token
+
+
+def test_missing_spark_default_falls_back_to_embedded_local_spark(monkeypatch, caplog):
+    monkeypatch.delenv("AIRFLOW_CONN_SPARK_DEFAULT", raising=False)
+    target = HorovodRunnerHook().resolve_target()
+    assert (target.master, target.embedded_fallback) == ("local[2]", True)
+
+
+def test_missing_named_connection_is_an_error(monkeypatch):
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    with pytest.raises(AirflowNotFoundException, match="spark_nowhere"):
+        HorovodRunnerHook("spark_nowhere").resolve_target()
+
+
+def test_extras_that_are_not_json_say_so(monkeypatch):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="local[2]", extra="{spark.executor.memory: 4g")
+    with pytest.raises(SparkConnectionError, match=r"extras of connection 'spark_x' are not valid JSON.*JSON object"):
+        HorovodRunnerHook("spark_x").resolve_target()
+
+
+def test_extras_that_are_a_json_list_say_so(monkeypatch):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="local[2]", extra='["spark.executor.memory", "4g"]')
+    with pytest.raises(SparkConnectionError, match="must be a JSON object.*got a JSON list"):
+        HorovodRunnerHook("spark_x").resolve_target()
+
+
+def test_unknown_extra_keys_are_named(monkeypatch):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="local[2]", extra={"executor_memory": "4g", "spark.a": "1"})
+    with pytest.raises(SparkConnectionError, match="does not understand: executor_memory.*start with 'spark.'"):
+        HorovodRunnerHook("spark_x").resolve_target()
+
+
+def test_nested_extra_value_is_refused(monkeypatch):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="local[2]", extra={"spark.a": {"b": 1}})
+    with pytest.raises(SparkConnectionError, match="extra 'spark.a' of connection 'spark_x' must be a string"):
+        HorovodRunnerHook("spark_x").resolve_target()
+
+
+def test_cluster_deploy_mode_is_refused_because_the_driver_runs_in_the_task(monkeypatch):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="yarn", extra={"deploy-mode": "cluster"})
+    with pytest.raises(SparkConnectionError, match="deploy-mode='cluster'.*driver runs inside the Airflow task.*'client'"):
+        HorovodRunnerHook("spark_x").resolve_target()
+
+
+@pytest.mark.parametrize("host", ["mesos://m:5050", "http://spark.example:7077", "locl[2]"])
+def test_unknown_master_scheme_is_refused(monkeypatch, host):
+    conn(monkeypatch, "spark_x", conn_type="spark", host=host)
+    with pytest.raises(SparkConnectionError, match="cannot use. Use local\\[N\\], spark://host:port, yarn or k8s://"):
+        HorovodRunnerHook("spark_x").resolve_target()
+
+
+def test_connection_of_another_type_is_refused(monkeypatch):
+    conn(monkeypatch, "pg", conn_type="postgres", host="db")
+    with pytest.raises(SparkConnectionError, match="type 'postgres'.*'spark' connection"):
+        HorovodRunnerHook("pg").resolve_target()
+
+
+def test_resolving_starts_no_spark(monkeypatch):
+    import sys
+
+    conn(monkeypatch, "spark_x", conn_type="spark", host="local[2]")
+    had_pyspark = "pyspark.sql.session" in sys.modules
+    HorovodRunnerHook("spark_x").resolve_target()
+    if not had_pyspark:
+        assert "pyspark.sql.session" not in sys.modules
+
+
+# -- the artifact store ----------------------------------------------------------------------------
+def test_default_artifact_root_is_under_airflow_home(airflow_home):
+    assert HorovodRunnerHook.default_artifact_root() == str(airflow_home / "horovod-artifacts")
+
+
+def test_artifact_root_from_provider_config(monkeypatch, tmp_path):
+    monkeypatch.setenv("AIRFLOW__HOROVOD__ARTIFACT_ROOT", "file://%s/store" % tmp_path)
+    assert HorovodRunnerHook.default_artifact_root() == "file://%s/store" % tmp_path
+
+
+def test_try_folder_layout(tmp_path):
+    folder = HorovodRunnerHook().try_folder(str(tmp_path), dag_id="d", run_id="manual__1", task_id="t", try_number=3)
+    assert str(folder) == "file://%s/d/manual__1/t/try-3" % tmp_path
+    assert folder.is_dir()
+
+
+def test_unwritable_artifact_root_names_the_path(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ArtifactError, match="Cannot write Horovod artifacts under .*a-file.*artifact_root"):
+        HorovodRunnerHook().try_folder(str(blocker), dag_id="d", run_id="r", task_id="t", try_number=1)
+
+
+def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_checkpoint(tmp_path):
+    hook = HorovodRunnerHook()
+    root = str(tmp_path / "root")
+    local = tmp_path / "local"
+    (local / "checkpoints").mkdir(parents=True)
+    (local / "checkpoints" / "epoch-1.pt").write_bytes(b"one")
+    (local / MARKER).write_text(json.dumps({"status": "failed"}))
+    try1 = hook.try_folder(root, dag_id="d", run_id="r", task_id="t", try_number=1)
+    marker = hook.store_artifacts(local, try1, {"try_number": 1})
+    assert marker["status"] == "failed" and marker["stored_files"] == ["checkpoints/epoch-1.pt"]
+    assert json.loads((try1 / MARKER).read_text())["try_number"] == 1
+    # try 2 died before committing: its half-written checkpoint is never offered
+    try2 = hook.try_folder(root, dag_id="d", run_id="r", task_id="t", try_number=2)
+    (try2 / "checkpoints").mkdir(parents=True)
+    (try2 / "checkpoints" / "epoch-2.pt").write_bytes(b"half")
+    try3 = hook.try_folder(root, dag_id="d", run_id="r", task_id="t", try_number=3)
+    found = hook.latest_checkpoint(try3, 3)
+    assert str(found) == str(try1 / "checkpoints")
+    local_copy = hook.download(found)
+    assert (tmp_path / local_copy / "epoch-1.pt").read_bytes() == b"one"
+    with pytest.raises(ArtifactError, match="never committed"):
+        hook.checkpoint_at(str(try2 / "checkpoints"))
+    assert str(hook.checkpoint_at(str(try1))) == str(try1 / "checkpoints")

@@ -1,0 +1,81 @@
+"""HorovodRunnerOperator and @task.horovod: arguments, templating and validation before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow.sdk import DAG, task
+
+from airflow_provider_horovod.decorators.horovod import horovod_task
+from airflow_provider_horovod.exceptions import PayloadError
+from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
+from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
+from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator, validate_np
+
+
+def train(lr: float, epochs: int = 1):
+    return {"lr": lr, "epochs": epochs}
+
+
+def test_template_fields_are_the_documented_ones():
+    assert set(HorovodRunnerOperator.template_fields) >= {
+        "np", "op_args", "op_kwargs", "spark_conn_id", "spark_conf", "env", "artifact_root",
+    }
+
+
+def test_templated_fields_render_from_the_context():
+    with DAG("d", schedule=None):
+        op = HorovodRunnerOperator(
+            task_id="t", training_callable=train, np="{{ params.ranks }}", op_kwargs={"lr": "{{ params.lr }}"},
+            spark_conn_id="{{ params.conn }}", spark_conf={"spark.executor.memory": "{{ params.mem }}"},
+            env={"SEED": "{{ params.seed }}"}, artifact_root="/tmp/{{ params.conn }}",
+        )
+    op.render_template_fields({"params": {"ranks": 3, "lr": 0.1, "conn": "spark_gpu", "mem": "4g", "seed": 7}})
+    assert validate_np(op.np) == 3
+    assert op.op_kwargs == {"lr": "0.1"}
+    assert (op.spark_conn_id, op.spark_conf, op.env, op.artifact_root) == (
+        "spark_gpu", {"spark.executor.memory": "4g"}, {"SEED": "7"}, "/tmp/spark_gpu",
+    )
+    assert isinstance(op.hook, HorovodRunnerHook) and op.hook.spark_conn_id == "spark_gpu"
+
+
+@pytest.mark.parametrize("np", ["two", "2.5", "", None, 0, "0", True, 1.5, [2]])
+def test_np_that_is_not_a_non_zero_int_fails_execute_before_anything_starts(np):
+    op = HorovodRunnerOperator(task_id="t", training_callable=train, np=np, op_kwargs={"lr": 0.1})
+    with pytest.raises(ValueError, match=r"np must be a non-zero int after templating .*Fix the np argument"):
+        op.execute({})  # an empty context: np is checked first, before any connection or Spark
+
+
+@pytest.mark.parametrize(("np", "value"), [(2, 2), ("2", 2), (" 4 ", 4), (-2, -2), ("-1", -1)])
+def test_np_rendered_as_digits_is_accepted(np, value):
+    assert validate_np(np) == value
+
+
+def test_reference_string_that_does_not_import_is_a_payload_error():
+    with pytest.raises(PayloadError, match="Cannot import module 'no_such_pkg_for_hvd.train'.*Install the package"):
+        HorovodRunnerHook.check_job("no_such_pkg_for_hvd.train:main")
+
+
+def test_operator_offers_the_spark_ui_and_timeline_links():
+    names = {link.name for link in HorovodRunnerOperator.operator_extra_links}
+    assert names == {"Spark UI", "Horovod timeline"}
+    assert SparkUILink().xcom_key != HorovodTimelineLink().xcom_key
+
+
+def test_task_horovod_is_registered_and_builds_the_operator():
+    assert task.horovod is horovod_task
+
+    with DAG("d", schedule=None) as dag:
+
+        @task.horovod(np=2, timeline=True, launcher="gloo")
+        def fit(lr: float, epochs: int = 1):
+            return lr * epochs
+
+        fit(0.5, epochs=3)
+
+    (op,) = dag.tasks
+    assert isinstance(op, HorovodRunnerOperator)
+    assert (op.np, op.launcher, op.timeline, op.resume) == (2, "gloo", True, "auto")
+    assert op.training_callable.__name__ == "fit"
+    assert (list(op.op_args), op.op_kwargs) == ([0.5], {"epochs": 3})
+    assert "np" in op.template_fields and "op_kwargs" in op.template_fields

@@ -1,6 +1,6 @@
 """HorovodRunnerHook: an Airflow Spark connection -> a SparkSession, the engine, the artifact store.
 
-.. seealso:: ``docs/howto/operator.md`` (the how-to for HorovodRunnerOperator and ``@task.horovod``)
+.. seealso:: ``docs/how-to.md`` (the how-to for HorovodRunnerOperator and ``@task.horovod``)
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseHook, ObjectStoragePath
 
 from airflow_provider_horovod.exceptions import ArtifactError
+from airflow_provider_horovod.runner.artifacts import CHECKPOINTS, MARKER
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from airflow.sdk import Connection
 
-MARKER = "_ARTIFACTS.json"
-CHECKPOINTS = "checkpoints"
 EMBEDDED_MASTER = "local[2]"
 MASTER_PATTERN = re.compile(r"^(local(\[(\d+|\*)(,\s*\d+)?\])?|local-cluster\[[\d,\s]+\]|yarn|spark://.+|k8s://.+)$")
 # Extras of the ``spark`` connection that only mean something to spark-submit.

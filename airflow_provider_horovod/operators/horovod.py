@@ -37,7 +37,7 @@ class HorovodRunnerOperator(BaseOperator):
     of the task in the UI, starts a new ``try-<n>`` folder and (with ``resume="auto"``) hands the
     newest committed checkpoint of the earlier tries to the ranks as ``runtime.resume_dir()``.
 
-    .. seealso:: ``docs/howto/operator.md``
+    .. seealso:: ``docs/how-to.md``
 
     :param training_callable: the function every rank runs, or a ``"package.module:function"``
         reference string to an installed function.
@@ -154,7 +154,7 @@ class HorovodRunnerOperator(BaseOperator):
             SparkUILink().persist(context, self.hook.spark_ui_url(self.hook.get_conn()))
 
     def _train(self, np: int, local_dir: str, resume_from: str | None) -> tuple[Any, dict[str, Any], BaseException | None]:
-        from airflow_provider_horovod import HorovodRunError
+        from airflow_provider_horovod import ArtifactError, HorovodRunError
 
         try:
             result, last_run = self.hook.run(
@@ -163,7 +163,7 @@ class HorovodRunnerOperator(BaseOperator):
                 timeline=self.timeline, artifact_dir=local_dir, resume_from=resume_from,
             )
             return result, last_run, None
-        except HorovodRunError as err:  # store what the failed try left (checkpoints), then re-raise
+        except (HorovodRunError, ArtifactError) as err:  # store what the failed try left, then re-raise
             return None, dict(self.hook.last_run), err
         finally:
             if resume_from:

@@ -1,0 +1,64 @@
+"""The environment is real: Horovod with PyTorch, MPI and Gloo; Airflow sees the provider; Spark
+runs a barrier stage with allGather."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+HERE = Path(__file__).parent
+
+
+def test_horovod_build_has_pytorch_mpi_and_gloo():
+    out = subprocess.run([str(BIN / "horovodrun"), "--check-build"], capture_output=True, text=True, check=True).stdout
+    for line in ("[X] PyTorch", "[X] MPI", "[X] Gloo"):
+        assert line in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("controller", ["--gloo", "--mpi"])
+def test_horovodrun_runs_allreduce_and_a_distributed_optimizer_step(controller):
+    env = dict(os.environ, PATH="%s:%s" % (BIN, os.environ["PATH"]))
+    proc = subprocess.run([str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", controller, sys.executable,
+                           str(HERE / "horovodrun_step.py")], capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = next(l for l in proc.stdout.splitlines() if "RESULT " in l)
+    assert json.loads(line.split("RESULT ", 1)[1]) == {"size": 2, "sum": 3.0, "same_weights": True}
+
+
+def test_airflow_lists_the_provider(tmp_path):
+    env = dict(os.environ, AIRFLOW_HOME=str(tmp_path), AIRFLOW__CORE__LOAD_EXAMPLES="False")
+    proc = subprocess.run([str(BIN / "airflow"), "providers", "get", "airflow-provider-horovod", "--full", "-o", "json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout)
+    info = info[0] if isinstance(info, list) else info
+    text = json.dumps(info)
+    assert info["package-name"] == "airflow-provider-horovod"
+    assert info["hooks"][0]["python-modules"] == ["airflow_provider_horovod.hooks.horovod"]
+    assert info["operators"][0]["python-modules"] == ["airflow_provider_horovod.operators.horovod"]
+    assert info["task-decorators"] == [{"name": "horovod", "class-name": "airflow_provider_horovod.decorators.horovod.horovod_task"}]
+    assert sorted(info["extra-links"]) == ["airflow_provider_horovod.links.HorovodTimelineLink",
+                                           "airflow_provider_horovod.links.SparkUILink"]
+    assert "artifact_root" in text
+
+
+def test_barrier_stage_with_all_gather_runs_on_local_2(spark):
+    def task(batches):
+        import pyarrow as pa
+        from pyspark import BarrierTaskContext
+
+        for _ in batches:
+            pass
+        ctx = BarrierTaskContext.get()
+        gathered = ctx.allGather(str(ctx.partitionId()))
+        yield pa.RecordBatch.from_pylist([{"partition": ctx.partitionId(), "seen": ",".join(sorted(gathered))}])
+
+    rows = spark.range(2, numPartitions=2).mapInArrow(task, "partition long, seen string", barrier=True).collect()
+    assert sorted((r.partition, r.seen) for r in rows) == [(0, "0,1"), (1, "0,1")]

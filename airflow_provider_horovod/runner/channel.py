@@ -71,7 +71,7 @@ class Channel:
             log.info("Not listening for rank logs on %s (%s); logs will come back with the results", host, err)
             return None
         self.address = (host, self._listener.getsockname()[1])
-        threading.Thread(target=self._accept_loop, name="hvdrunner-channel", daemon=True).start()
+        wire.serve(self._listener, self._secret, self._serve, "hvdrunner-channel")
         return self.address
 
     def close(self) -> None:
@@ -86,15 +86,6 @@ class Channel:
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
             conn.close()
-
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._closed.is_set():
-            try:
-                conn = wire.accept(self._listener, self._secret)
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: wire.ServerConnection) -> None:
         with self._lock:

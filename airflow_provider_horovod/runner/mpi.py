@@ -64,15 +64,7 @@ class ExecService:
         self._closed = False
         self.launches = 0
         self.refused = 0
-        threading.Thread(target=self._accept_loop, name="hvdrunner-exec-service", daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn = wire.accept(self._listener, self._secret)
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        wire.serve(self._listener, self._secret, self._serve, "hvdrunner-exec-service")
 
     def _serve(self, conn: wire.ServerConnection) -> None:
         proc = None

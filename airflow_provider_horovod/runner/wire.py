@@ -15,6 +15,8 @@ import os
 import secrets
 import socket
 import struct
+import threading
+from collections.abc import Callable
 from typing import Any
 
 NONCE_BYTES = 16
@@ -133,3 +135,19 @@ def listen(host: str, backlog: int = 64) -> socket.socket:
     sock.bind((host, 0))
     sock.listen(backlog)
     return sock
+
+
+def serve(listener: socket.socket, secret: bytes, handle: Callable[[ServerConnection], None], name: str) -> threading.Thread:
+    """Accept connections on ``listener`` until it is closed; ``handle`` each in a thread of its own."""
+
+    def loop() -> None:
+        while True:
+            try:
+                conn = accept(listener, secret)
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), name=name, daemon=True).start()
+
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    return thread

@@ -15,6 +15,26 @@ from tests.integration import jobs
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
 
 
+def train_in_background(runner: HorovodRunner, tmp_path) -> tuple[threading.Thread, list[BaseException]]:
+    """Start a long training run in a thread; return once its ranks are training."""
+    marker = tmp_path / "training"
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runner.run(jobs.slow_job, steps=100000, marker=str(marker))
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), "training never started"
+    return thread, errors
+
+
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
 def test_two_ranks_return_rank_zeros_value(spark, launcher):
     runner = HorovodRunner(2, launcher=launcher, spark=spark)
@@ -101,21 +121,7 @@ def test_rank_that_hangs_after_another_failed_is_ended(spark, launcher):
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
 def test_cancel_mid_training_interrupts_the_job_and_leaves_no_process(spark, launcher, tmp_path):
     runner = HorovodRunner(2, launcher=launcher, spark=spark)
-    marker = tmp_path / "training"
-    errors = []
-
-    def run():
-        try:
-            runner.run(jobs.slow_job, steps=100000, marker=str(marker))
-        except BaseException as err:  # noqa: BLE001
-            errors.append(err)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert marker.exists(), "training never started"
+    thread, errors = train_in_background(runner, tmp_path)
     runner.cancel()
     cancelled_at = time.monotonic()
     thread.join(30)
@@ -173,20 +179,7 @@ def test_rank_exits_when_its_spark_task_dies(spark, launcher, tmp_path):
     import signal
 
     runner = HorovodRunner(2, launcher=launcher, spark=spark)
-    marker = tmp_path / "training"
-    errors = []
-
-    def run():
-        try:
-            runner.run(jobs.slow_job, steps=100000, marker=str(marker))
-        except BaseException as err:  # noqa: BLE001
-            errors.append(err)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    thread, errors = train_in_background(runner, tmp_path)
     victims = _task_python_workers()
     assert victims, "no barrier task found running ranks"
     victims[0].send_signal(signal.SIGKILL)  # as if the executor lost the task's Python worker
@@ -206,13 +199,7 @@ def test_secret_never_appears_in_argv_logs_or_spark_conf(spark, monkeypatch, tmp
     monkeypatch.setattr(runner_module.wire, "new_secret", lambda: secret)
     caplog.set_level(logging.DEBUG)
     runner = HorovodRunner(2, launcher="mpirun", spark=spark)
-    marker = tmp_path / "training"
-    thread = threading.Thread(target=lambda: pytest.raises(RunCancelledError, runner.run, jobs.slow_job,
-                                                           steps=100000, marker=str(marker)))
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    thread, errors = train_in_background(runner, tmp_path)
     argvs = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
@@ -221,6 +208,7 @@ def test_secret_never_appears_in_argv_logs_or_spark_conf(spark, monkeypatch, tmp
             pass
     runner.cancel()
     thread.join(30)
+    assert [type(e) for e in errors] == [RunCancelledError]
     assert any("airflow_provider_horovod.runner.worker" in a for a in argvs)  # we looked while it ran
     for text in (*argvs, caplog.text, *capfd.readouterr(), str(spark.sparkContext.getConf().getAll())):
         assert secret.hex() not in text

@@ -184,6 +184,8 @@ def timed(fn) -> tuple[float, dict | None, str | None]:
     try:
         stamps = fn()
     except Exception as err:  # noqa: BLE001 - a misbehaving contender is reported, not hidden
+        if type(err).__name__ == "RunCancelledError":  # our own SIGTERM/Ctrl-C, turned into a cancel by the runner
+            raise KeyboardInterrupt from err
         return time.time() - t0, None, "%s: %s" % (type(err).__name__, str(err).strip().splitlines()[0][:300] if str(err).strip() else "")
     t1 = time.time()
     if not isinstance(stamps, dict) or stamps.get("size") != NP:
@@ -249,6 +251,7 @@ def main() -> int:
     walls: dict[str, list[float]] = {n: [] for n in order}
     splits: dict[str, list[dict]] = {n: [] for n in order}
     errors: dict[str, list[str]] = {n: [] for n in order}
+    per_round: list[dict[str, float]] = []
 
     with tempfile.TemporaryDirectory(prefix="hvd-launch-bench-") as tmp:
         c = Contenders(spark, Path(tmp))
@@ -274,6 +277,7 @@ def main() -> int:
                 for name, wall, split in got:  # only whole rounds count
                     walls[name].append(wall)
                     splits[name].append(split)
+                per_round.append({name: wall for name, wall, _ in got})
                 done += 1
                 print("round %d/%d: %s" % (r + 1, args.rounds, ", ".join(line)), flush=True)
         except KeyboardInterrupt:
@@ -300,7 +304,7 @@ def main() -> int:
                 NAMES[name], ", ".join("%s %.2f" % (k, statistics.median(m[k] for m in marks)) for k in keys)))
 
     print()
-    print("%-46s %8s %8s  %s" % ("ratio (medians)", "measured", "target", "result"))
+    print("%-46s %8s %8s  %-6s %s" % ("ratio (medians)", "measured", "target", "result", "paired: median of per-round ratios"))
 
     for runner in ("runner_mpirun", "runner_gloo"):
         if runner not in order:
@@ -312,8 +316,10 @@ def main() -> int:
             text, value = fmt_ratio(med[runner], med[other])
             verdict = "n/a (a contender failed)" if value is None else ("PASS" if value <= target else "MISS")
 
-            print("%-46s %8s %8s  %s" % ("%s / %s" % (NAMES[runner].replace("HorovodRunner(2) ", "HorovodRunner "), label),
-                                        text, "<= %.1fx" % target, verdict))
+            pairs = [w[runner] / w[other] for w in per_round if runner in w and other in w]
+            print("%-46s %8s %8s  %-6s %s" % ("%s / %s" % (NAMES[runner].replace("HorovodRunner(2) ", "HorovodRunner "), label),
+                                             text, "<= %.1fx" % target, verdict,
+                                             "%.2fx" % statistics.median(pairs) if pairs else "n/a"))
     spark.stop()
     return 0
 

@@ -245,6 +245,7 @@ class HorovodRunner:
             channel.broadcast({"t": "stop"})
             grace = CANCEL_ARTIFACT_GRACE_S if reason == "cancel" else ARTIFACT_GRACE_S
             deadline = time.monotonic() + grace
+            log.info("Waiting up to %ss for rank 0's artifacts", grace)
             while 0 not in channel.done and time.monotonic() < deadline:
                 time.sleep(0.05)
         hard_cancel()  # whatever is still running ends now
@@ -275,6 +276,10 @@ class HorovodRunner:
                         stop()
                         stop_sent = time.monotonic()
                 elif time.monotonic() - stop_sent > (CANCEL_GRACE_S if reason == "cancel" else STOP_GRACE_S):
+                    if (reason != "cancel" and channel.upload_started.is_set() and not channel.upload_done.is_set()
+                            and time.monotonic() - stop_sent < ARTIFACT_GRACE_S):
+                        continue  # rank 0's artifacts are on their way: do not cut them off
+                    log.info("The barrier tasks did not end after the stop request (%s); cutting them off", reason)
                     hard_cancel()
                     thread.join(30)
         except KeyboardInterrupt:
@@ -310,6 +315,8 @@ class HorovodRunner:
         if channel.upload_error is not None and status == "success":
             raise ArtifactError("Rank 0's artifacts could not be written to %s (%s); the run itself succeeded."
                                 % (artifact_dir, channel.upload_error), result=result)
+        log.info("Artifacts of run %s (%s, %s): %d files in %s", run_id, status,
+                 "complete" if info["complete"] else "INCOMPLETE", len(info["files"]), artifact_dir)
         self.last_run["artifacts"] = info
         self.last_run["artifact_transfer_s"] = channel.upload_seconds
         self.last_run["artifact_bytes"] = sum(f["size"] for f in channel.received)

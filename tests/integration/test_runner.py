@@ -278,3 +278,32 @@ def test_without_a_reachable_driver_logs_and_errors_come_back_with_the_stage(spa
     with pytest.raises(HorovodRunError) as info:
         HorovodRunner(2, launcher=launcher, spark=spark).run(jobs.failing_job, fail_rank=1)
     assert info.value.rank == 1 and "boom from rank 1" in str(info.value)
+
+
+@pytest.mark.parametrize(("launcher", "np"), [("mpirun", 2), ("gloo", -2)])
+def test_sigterm_to_the_driver_cancels_the_job_and_leaves_no_process(tmp_path, launcher, np):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    marker = tmp_path / "training"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.scenarios.sigterm_driver", launcher, str(np),
+                             str(marker)], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), "training never started"
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, output[-3000:]
+    assert "CANCELLED" in output
+    assert wait_no_run_processes(max(1.0, 10.0 - (time.monotonic() - sent))) == []

@@ -43,7 +43,6 @@ class RunSpec:
     channel: tuple[str, int] | None
     env: dict[str, str]
     driver_python: str
-    start_timeout: float
     gloo_timeout_s: int = 60
     timeline: bool = False
     collect_artifacts: bool = False

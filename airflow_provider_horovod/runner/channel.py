@@ -36,7 +36,6 @@ class Channel:
         secret: bytes,
         *,
         emit_logs: bool = True,
-        on_error: Callable[[dict], None] | None = None,
         artifact_staging: Path | None = None,
         resume_root: Path | None = None,
     ) -> None:
@@ -50,7 +49,6 @@ class Channel:
         self.done: set[int] = set()
         self.upload_seconds: float | None = None
         self._emit_logs = emit_logs
-        self._on_error = on_error
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
@@ -173,8 +171,6 @@ class Channel:
     def error(self, msg: dict[str, Any]) -> None:
         with self._lock:
             self.errors.append(msg)
-        if self._on_error is not None:
-            self._on_error(msg)
 
 
 class ChannelClient:

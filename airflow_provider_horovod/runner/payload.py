@@ -8,7 +8,6 @@ installed package is pickled by reference, as any library function is.
 from __future__ import annotations
 
 import importlib
-import inspect
 import sys
 import sysconfig
 import types
@@ -114,13 +113,3 @@ def describe(main: Callable[..., Any] | str) -> str:
     fn = resolve_callable(main)
     module = getattr(fn, "__module__", "?")
     return "%s.%s" % (module, getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn))))
-
-
-def signature_ok(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Fail early when the arguments cannot bind to the function's signature."""
-    try:
-        inspect.signature(fn).bind(*args, **kwargs)
-    except TypeError as err:
-        raise PayloadError("The arguments do not fit %s: %s" % (getattr(fn, "__qualname__", fn), err)) from None
-    except ValueError:
-        pass  # builtins without a signature

@@ -100,8 +100,6 @@ class HorovodRunner:
         self.resume_from = Path(resume_from).resolve() if resume_from is not None else None
         self._spark = spark
         self._cancelled = threading.Event()
-        self._tag: str | None = None
-        self._session: Any = None
         self.last_run: dict[str, Any] = {}
 
     # -- public ---------------------------------------------------------------------------------
@@ -169,7 +167,6 @@ class HorovodRunner:
             channel=channel,
             env=self.env,
             driver_python=platform.python_version(),
-            start_timeout=self.start_timeout,
             timeline=self.timeline,
             collect_artifacts=self.artifact_dir is not None,
             has_resume=self.resume_from is not None,

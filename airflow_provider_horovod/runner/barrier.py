@@ -306,7 +306,7 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
             def on_launch(_argv: list[str]) -> None:
                 client.send({"t": "event", "kind": "orted-launched", "partition": partition, "executor": executor})
 
-            service = ExecService(address, spec.secret, env, os.getpid(), on_launch)
+            service = ExecService(address, spec.secret, env, os.getpid(), on_launch, log_path=task_dir / "orted.log")
         if spec.launcher == "gloo" and partition == 0:
             rendezvous = Rendezvous(address)
         facts = TaskFacts(

@@ -52,8 +52,10 @@ class ExecService:
         env: dict[str, str],
         watch_pid: int,
         on_launch: Callable[[list[str]], None] | None = None,
+        log_path: Path | None = None,
     ) -> None:
         self._secret = secret
+        self._log_path = log_path or Path(os.devnull)
         self._env = env
         self._watch_pid = watch_pid
         self._on_launch = on_launch
@@ -78,7 +80,10 @@ class ExecService:
             with self._lock:
                 if self._closed:
                     return
-                proc = procs.spawn(procs.reaped(argv, self._watch_pid), self._env)
+                # orted's own output goes to a file next to the task, never to a pipe nobody may read
+                with open(self._log_path, "ab") as log_file:
+                    proc = procs.spawn(procs.reaped(argv, self._watch_pid), self._env, stdout=log_file,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
                 self._procs.append(proc)
                 self.launches += 1
             if self._on_launch is not None:

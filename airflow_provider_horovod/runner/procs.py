@@ -111,25 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    child = spawn(command, dict(os.environ))
-    done = threading.Event()
+    child = spawn(command, dict(os.environ), stdin=subprocess.DEVNULL)
 
-    def stop(*_: object) -> None:
-        done.set()
+    def finish(code: int) -> None:
+        # Whichever comes first (the command ends, the task dies, SIGTERM) takes the command's whole
+        # session down and ends the reaper at once; nothing here waits on the main thread.
+        kill_tree(child.pid if child.poll() is not None else child, grace_s=1.0)
+        os._exit(code)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    start_watchdog([args.watch], lambda _pid: done.set())
-    while not done.is_set():
-        try:
-            code = child.wait(timeout=WATCH_INTERVAL_S)
-        except subprocess.TimeoutExpired:
-            continue
-        # The command ended; take down anything it left in its session.
-        kill_tree(child.pid, grace_s=0.5)
-        return code if code >= 0 else 128 - code
-    kill_tree(child)
-    return 143
+    signal.signal(signal.SIGTERM, lambda *_: finish(143))
+    signal.signal(signal.SIGINT, lambda *_: finish(143))
+    start_watchdog([args.watch], lambda _pid: finish(143))
+    code = child.wait()
+    finish(code if code >= 0 else 128 - code)
+    return code
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ import time
 import traceback
 from pathlib import Path
 
+from _common import warm_local_session  # benchmarks/ is sys.path[0] when a script runs
+
 NP = 2
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
 TARGET_VS_HOROVODRUN = 1.5
@@ -93,6 +95,7 @@ def torch_noop():
 
 SCRIPT = '''\
 import json, sys
+
 
 {source}
 
@@ -203,21 +206,7 @@ def timed(fn) -> tuple[float, dict | None, str | None]:
 
 
 def make_spark():
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
-
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("hvdrunner-launch-overhead")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    spark.range(4, numPartitions=2).collect()  # start the JVM side and the Python workers
-    return spark
+    return warm_local_session("hvdrunner-launch-overhead")
 
 
 def fmt_ratio(num: float | None, den: float | None) -> tuple[str, float | None]:

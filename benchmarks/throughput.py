@@ -36,6 +36,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from _common import warm_local_session  # benchmarks/ is sys.path[0] when a script runs
+
 NP = 2
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
 TARGET = 0.95
@@ -102,6 +104,7 @@ def train(steps=100, warmup=10, batch_size=32, seed=1234, threads=1):
 SCRIPT = '''\
 import json, sys
 
+
 {source}
 
 if __name__ == "__main__":
@@ -115,21 +118,7 @@ if __name__ == "__main__":
 
 
 def make_spark():
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
-
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("hvdrunner-throughput")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    spark.range(4, numPartitions=2).collect()
-    return spark
+    return warm_local_session("hvdrunner-throughput")
 
 
 def _interrupt(signum, frame):

@@ -2,12 +2,18 @@
 
     .venv/bin/python benchmarks/artifact_transfer.py [--mib 1024] [--rounds 3]
 
-Rank 0 writes a checkpoint of ``--mib`` MiB into ``runtime.checkpoint_dir()``; the runner streams it
-to ``artifact_dir`` over its authenticated channel. The transfer time is the driver's own
-measurement of that stream (first byte to last byte); ``cp`` copies the same file on the same disk
-in the same round, and so does ``dd bs=4M`` (a copy through user space, which the pull also is;
-``cp`` uses copy_file_range and never leaves the kernel). The driver process's peak RSS growth is sampled every 10 ms during the run.
-Targets: throughput at least 0.5x ``cp``; RSS growth at most 150 MB.
+Rank 0 writes a checkpoint of ``--mib`` MiB into ``runtime.checkpoint_dir()``, and the runner pulls
+it to ``artifact_dir``. Each round runs the job twice, once per way the pull can go:
+
+- ``copy``: the default here. Rank 0's task is on the driver's host (``local[2]``), offers its
+  folder, and the driver, having verified the offer, copies the files in the kernel.
+- ``stream``: ``HVDRUNNER_ARTIFACT_TRANSPORT=stream``, the way files come from another host: 4 MiB
+  frames, each signed, over the run's channel (here on loopback).
+
+A pull's time is the driver's own measurement (the offer received to the last byte written).
+``cp`` copies the same file on the same disk in the same round, and so does ``dd bs=4M`` (a copy
+through user space, as the stream's receiver is). The driver process's peak RSS growth is sampled
+every 10 ms during each run. Targets: throughput at least 0.5x ``cp``; RSS growth at most 150 MB.
 """
 
 from __future__ import annotations
@@ -17,13 +23,13 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import psutil
+from _common import warm_local_session
 
 
 def write_checkpoint(mib: int) -> int:
@@ -71,55 +77,68 @@ class PeakRss:
         return (self.peak - self.base) / 1e6
 
 
+def timed_copy(argv: list[str], source: Path, target: Path) -> float:
+    """MiB/s of one copy command, with no dirty pages left from earlier writes."""
+    os.sync()
+    started = time.monotonic()
+    subprocess.run(argv, check=True)
+    speed = source.stat().st_size / (time.monotonic() - started) / 2**20
+    os.remove(target)
+    return speed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ["PYSPARK_PYTHON"] = os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
+    spark = warm_local_session("artifact-transfer-benchmark")
 
     from airflow_provider_horovod import HorovodRunner
 
-    spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
     work = Path(tempfile.mkdtemp(prefix="artifact-bench-", dir=os.environ.get("BENCH_DIR")))
-    pulled, copied, userspace, rss = [], [], [], []
+    speeds: dict[str, list[float]] = {"copy": [], "stream": [], "cp": [], "dd": []}
+    rss: dict[str, list[float]] = {"copy": [], "stream": []}
     try:
         for i in range(args.rounds):
-            dest = work / ("run-%d" % i)
-            runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=dest, driver_log_verbosity="log_callback_only")
-            with PeakRss() as peak:
-                runner.run(write_checkpoint, args.mib)
-            size = runner.last_run["artifact_bytes"]
-            pulled.append(size / runner.last_run["artifact_transfer_s"] / 2**20)
-            rss.append(peak.growth_mb)
-            source = dest / "checkpoints" / "model.bin"
-            os.sync()
-            started = time.monotonic()
-            subprocess.run(["cp", str(source), str(work / "cp.bin")], check=True)
-            copied.append(source.stat().st_size / (time.monotonic() - started) / 2**20)
-            os.remove(work / "cp.bin")
-            os.sync()
-            started = time.monotonic()
-            subprocess.run(["dd", "if=%s" % source, "of=%s" % (work / "dd.bin"), "bs=4M", "status=none"], check=True)
-            userspace.append(source.stat().st_size / (time.monotonic() - started) / 2**20)
-            os.remove(work / "dd.bin")
-            shutil.rmtree(dest)
-            print("round %d: pulled %.0f MiB/s, cp %.0f MiB/s, dd bs=4M %.0f MiB/s, driver RSS +%.1f MB"
-                  % (i + 1, pulled[-1], copied[-1], userspace[-1], rss[-1]))
+            for transport in ("copy", "stream"):
+                os.environ["HVDRUNNER_ARTIFACT_TRANSPORT"] = "auto" if transport == "copy" else "stream"
+                dest = work / ("run-%d-%s" % (i, transport))
+                runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=dest,
+                                       driver_log_verbosity="log_callback_only")
+                with PeakRss() as peak:
+                    runner.run(write_checkpoint, args.mib)
+                if runner.last_run["artifact_transport"] != transport:
+                    raise SystemExit("expected the %s path, the run took %s" % (transport, runner.last_run["artifact_transport"]))
+                speeds[transport].append(runner.last_run["artifact_bytes"] / runner.last_run["artifact_transfer_s"] / 2**20)
+                rss[transport].append(peak.growth_mb)
+                source = dest / "checkpoints" / "model.bin"
+                if transport == "copy":
+                    speeds["cp"].append(timed_copy(["cp", str(source), str(work / "cp.bin")], source, work / "cp.bin"))
+                    speeds["dd"].append(timed_copy(["dd", "if=%s" % source, "of=%s" % (work / "dd.bin"), "bs=4M", "status=none"],
+                                                   source, work / "dd.bin"))
+                shutil.rmtree(dest)
+            print("round %d: copy %.0f MiB/s, stream %.0f MiB/s, cp %.0f MiB/s, dd bs=4M %.0f MiB/s, driver RSS +%.1f / +%.1f MB"
+                  % (i + 1, speeds["copy"][-1], speeds["stream"][-1], speeds["cp"][-1], speeds["dd"][-1],
+                     rss["copy"][-1], rss["stream"][-1]))
     finally:
+        os.environ.pop("HVDRUNNER_ARTIFACT_TRANSPORT", None)
         spark.stop()
         shutil.rmtree(work, ignore_errors=True)
-    ratio = statistics.median(pulled) / statistics.median(copied)
+    median = {k: statistics.median(v) for k, v in speeds.items()}
     print()
-    print("checkpoint size           %d MiB" % args.mib)
-    print("pull throughput (median)  %.0f MiB/s" % statistics.median(pulled))
-    print("cp throughput (median)    %.0f MiB/s" % statistics.median(copied))
-    print("dd bs=4M throughput       %.0f MiB/s  (a copy through user space, as the pull is)" % statistics.median(userspace))
-    print("ratio pull / cp           %.2fx  (target >= 0.5x: %s)" % (ratio, "PASS" if ratio >= 0.5 else "MISS"))
-    print("ratio pull / dd           %.2fx" % (statistics.median(pulled) / statistics.median(userspace)))
-    print("driver peak RSS growth    %.1f MB  (target <= 150 MB: %s)" % (max(rss), "PASS" if max(rss) <= 150 else "MISS"))
+    print("checkpoint size                %d MiB, %d rounds, medians" % (args.mib, args.rounds))
+    print("pull, same host (copy)         %.0f MiB/s" % median["copy"])
+    print("pull, streamed (other host)    %.0f MiB/s" % median["stream"])
+    print("cp                             %.0f MiB/s" % median["cp"])
+    print("dd bs=4M                       %.0f MiB/s  (a copy through user space, as the stream's receiver is)" % median["dd"])
+    for transport in ("copy", "stream"):
+        ratio = median[transport] / median["cp"]
+        print("ratio %-6s / cp              %.2fx  (target >= 0.5x: %s)" % (transport, ratio, "PASS" if ratio >= 0.5 else "MISS"))
+    print("ratio stream / dd              %.2fx" % (median["stream"] / median["dd"]))
+    for transport in ("copy", "stream"):
+        peak = max(rss[transport])
+        print("driver peak RSS growth, %-6s %.1f MB  (target <= 150 MB: %s)" % (transport, peak, "PASS" if peak <= 150 else "MISS"))
 
 
 if __name__ == "__main__":

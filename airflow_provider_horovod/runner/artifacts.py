@@ -1,9 +1,14 @@
 """Artifacts: rank 0's checkpoints and the Horovod timeline, pulled to the driver and committed.
 
 Files move as a stream of frames over the run's authenticated channel (``send_tree`` /
-``receive_tree``), one chunk in memory at a time. On the driver they land in a staging folder
-inside ``artifact_dir``; ``commit`` moves them into place and writes ``_ARTIFACTS.json`` *last*.
-A reader trusts a folder only when that marker says ``"complete": true``.
+``receive_tree``), one chunk in memory at a time. When rank 0's task runs on the driver's own host
+(``local[N]``, a single-machine cluster, or a folder on storage both see), the task offers its folder
+instead: it writes a random token to a private file and sends the file's path and the token over
+the channel. Only a driver that reads the same token at that path, so sees the same files as the
+same user, copies them itself, in the kernel (``copy_tree``); any other answer falls back to the
+stream. Either way the files land in a staging folder inside ``artifact_dir``; ``commit`` moves
+them into place and writes ``_ARTIFACTS.json`` *last*. A reader trusts a folder only when that
+marker says ``"complete": true``.
 
 The rule training code follows: write a checkpoint under a temporary name (``*.tmp``, or a name
 starting with ``.``) and rename it when it is complete. Such files are never pulled, so a
@@ -13,12 +18,17 @@ checkpoint being written when the run fails is never offered as complete.
 from __future__ import annotations
 
 import contextlib
+import errno
+import hmac
 import html
 import json
 import os
+import secrets
 import shutil
+import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +36,7 @@ from airflow_provider_horovod.exceptions import ArtifactError
 
 MARKER = "_ARTIFACTS.json"
 CHUNK = 4 << 20
+COPY_CHUNK = 64 << 20  # per copy_file_range call: how often a same-host copy looks for a cancel
 TIMELINE = "timeline.json"
 SUMMARY = "timeline_summary.json"
 PICTURE = "timeline.svg"
@@ -57,16 +68,20 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
 
 
 # -- streaming ------------------------------------------------------------------------------------
-def send_tree(conn, root: Path) -> int:
-    """Send every finished file under ``root``; return how many bytes were sent."""
-    sent = 0
+def finished_files(root: Path) -> list[Path]:
+    """Every file under ``root`` that is not still being written, in a stable order."""
     files = []
     if root.is_dir():
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames if not in_progress(d))
-            for name in sorted(filenames):
-                if not in_progress(name):
-                    files.append(Path(dirpath) / name)
+            files += [Path(dirpath) / name for name in sorted(filenames) if not in_progress(name)]
+    return files
+
+
+def send_tree(conn, root: Path) -> int:
+    """Send every finished file under ``root``; return how many bytes were sent."""
+    sent = 0
+    files = finished_files(root)
     for path in files:
         try:
             f = path.open("rb")
@@ -112,6 +127,90 @@ def receive_tree(conn, dest: Path) -> list[dict[str, Any]]:
                 left -= len(chunk)
         os.replace(partial, target)
         received.append({"path": rel.as_posix(), "size": int(head["size"])})
+
+
+# -- same-host copy -------------------------------------------------------------------------------
+def make_offer(root: Path, proof_dir: Path) -> dict[str, str]:
+    """Offer ``root`` to a driver that may see it: a random token in a file only this user can read."""
+    token = secrets.token_hex(32)
+    proof = proof_dir / ("offer-%s" % secrets.token_hex(8))
+    fd = os.open(proof, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return {"root": str(root.absolute()), "proof": str(proof.absolute()), "token": token}
+
+
+def verify_offer(offer: Any) -> Path | None:
+    """The offered folder if this process reads the offer's token at its path; else ``None``."""
+    if not isinstance(offer, dict):
+        return None
+    root, proof, token = offer.get("root"), offer.get("proof"), offer.get("token")
+    if not (isinstance(root, str) and isinstance(proof, str) and isinstance(token, str)) or len(token) < 32:
+        return None
+    if not (os.path.isabs(root) and os.path.isabs(proof)):
+        return None
+    try:
+        with open(proof, "rb") as f:
+            seen = f.read(len(token) + 1)
+    except OSError:
+        return None
+    if not hmac.compare_digest(seen, token.encode()):
+        return None
+    return Path(root)
+
+
+def _copy_step(how: str, src: int, dst: int) -> int:
+    if how == "copy_file_range":
+        return os.copy_file_range(src, dst, COPY_CHUNK)
+    if how == "sendfile":
+        return os.sendfile(dst, src, None, COPY_CHUNK)
+    return os.write(dst, os.read(src, CHUNK))
+
+
+# In the kernel first; each step down is taken when a file system or kernel refuses the one above.
+_COPY_WAYS = [w for w in ("copy_file_range", "sendfile") if hasattr(os, w) and sys.platform == "linux"] + ["read"]
+_CANNOT_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM)
+
+
+def _copy_fd(src: int, dst: int, cancelled: Callable[[], bool], progress: Callable[[int], None]) -> int:
+    """Copy ``src`` to ``dst`` from their current positions to the end; return the bytes copied."""
+    ways = list(_COPY_WAYS)
+    done = 0
+    while True:
+        if cancelled():
+            raise ConnectionAbortedError("the run ended while its artifacts were being copied")
+        try:
+            n = _copy_step(ways[0], src, dst)
+        except OSError as err:
+            if len(ways) == 1 or err.errno not in _CANNOT_COPY:
+                raise
+            ways.pop(0)
+            continue
+        if not n:
+            return done
+        done += n
+        progress(done)
+
+
+def copy_tree(root: Path, dest: Path, *, cancelled: Callable[[], bool] = lambda: False,
+              progress: Callable[[int], None] = lambda done: None) -> list[dict[str, Any]]:
+    """Copy every finished file under ``root`` into ``dest``; files appear only when whole."""
+    received = []
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in finished_files(root):
+        rel = path.relative_to(root)
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".partial")
+        try:
+            src = path.open("rb")
+        except FileNotFoundError:
+            continue  # removed while we looked
+        with src, partial.open("wb") as out:
+            size = _copy_fd(src.fileno(), out.fileno(), cancelled, progress)
+        os.replace(partial, target)
+        received.append({"path": rel.as_posix(), "size": size})
+    return received
 
 
 # -- timeline -------------------------------------------------------------------------------------

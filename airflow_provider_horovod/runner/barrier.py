@@ -103,19 +103,27 @@ def base_env(spec: RunSpec, plan_path: Path, payload_path: Path) -> dict[str, st
 
 
 def upload_artifacts(spec: RunSpec, task_dir: Path) -> None:
-    """Stream rank 0's artifacts (checkpoints, timeline) to the driver; bounded, never raises."""
+    """Hand rank 0's artifacts (checkpoints, timeline) to the driver; bounded, never raises.
+
+    The driver copies them itself when it can prove it sees this folder (same host), otherwise
+    they are streamed over the channel.
+    """
     from airflow_provider_horovod.runner import wire
-    from airflow_provider_horovod.runner.artifacts import send_tree
+    from airflow_provider_horovod.runner.artifacts import make_offer, send_tree
 
     if not spec.collect_artifacts or spec.channel is None:
         return
     with contextlib.suppress(OSError, ValueError):
         conn = wire.connect(spec.channel, spec.secret, timeout=10)
         try:
-            conn.send({"t": "put"})
-            send_tree(conn, task_dir / "artifacts")
             conn.sock.settimeout(60)
-            conn.recv()  # the driver's receipt
+            conn.send({"t": "put", "offer": make_offer(task_dir / "artifacts", task_dir)})
+            if conn.recv().get("mode") == "stream":
+                conn.sock.settimeout(None)
+                send_tree(conn, task_dir / "artifacts")
+                conn.sock.settimeout(60)
+            while "ok" not in conn.recv():  # the driver's receipt; it sends heartbeats while it copies
+                pass
         finally:
             conn.close()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import queue
 import socket
 import threading
@@ -48,6 +49,9 @@ class Channel:
         self.received: list[dict[str, Any]] = []
         self.done: set[int] = set()
         self.upload_seconds: float | None = None
+        self.transport: str | None = None
+        # HVDRUNNER_ARTIFACT_TRANSPORT=stream turns the same-host copy off (tests of the stream use it).
+        self.same_host_copy = os.environ.get("HVDRUNNER_ARTIFACT_TRANSPORT", "auto") != "stream"
         self._emit_logs = emit_logs
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -61,6 +65,7 @@ class Channel:
         self.started_event = threading.Event()
         self.expected_tasks = 0
         self._conns: set[wire.ServerConnection] = set()
+        self._transfers: set[wire.ServerConnection] = set()
 
     def start(self, host: str) -> tuple[str, int] | None:
         try:
@@ -91,10 +96,13 @@ class Channel:
         try:
             while True:
                 msg = conn.recv()
-                if msg.get("t") == "put":
-                    self._receive_artifacts(conn)
-                elif msg.get("t") == "fetch-resume":
-                    self._send_resume(conn)
+                if msg.get("t") in ("put", "fetch-resume"):
+                    with self._lock:
+                        self._transfers.add(conn)  # a file transfer: hung up on by close(), never sent a broadcast
+                    if msg["t"] == "put":
+                        self._receive_artifacts(conn, msg.get("offer"))
+                    else:
+                        self._send_resume(conn)
                 else:
                     self.handle(msg)
         except wire.AuthenticationError:
@@ -106,26 +114,41 @@ class Channel:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._transfers.discard(conn)
             conn.close()
 
-    def _receive_artifacts(self, conn: wire.ServerConnection) -> None:
-        from airflow_provider_horovod.runner.artifacts import receive_tree
+    def _receive_artifacts(self, conn: wire.ServerConnection, offer: Any) -> None:
+        """Rank 0's artifacts into the staging folder: copied here if its folder is on this host, else streamed."""
+        from airflow_provider_horovod.runner.artifacts import copy_tree, receive_tree, verify_offer
 
         if self._artifact_staging is None:
             conn.send({"ok": False, "error": "this run collects no artifacts"})
             return
         self.upload_started.set()
         began = time.monotonic()
+        local = verify_offer(offer) if self.same_host_copy else None
+        self.transport = "copy" if local is not None else "stream"
+        conn.send({"mode": self.transport})
         try:
-            self.received = receive_tree(conn, self._artifact_staging)
+            if local is not None:
+                beat = [began]
+
+                def heartbeat(_done: int) -> None:  # rank 0's task waits for the receipt meanwhile
+                    if time.monotonic() - beat[0] > 2:
+                        conn.send({"copying": True})
+                        beat[0] = time.monotonic()
+
+                self.received = copy_tree(local, self._artifact_staging, cancelled=self._closed.is_set, progress=heartbeat)
+            else:
+                self.received = receive_tree(conn, self._artifact_staging)
             self.upload_seconds = time.monotonic() - began
         except OSError as err:  # the driver's disk: full, or the folder went away
             self.upload_error = err
             with contextlib.suppress(OSError):
                 conn.send({"ok": False, "error": str(err)})
             raise ConnectionError(str(err)) from err
+        self.upload_done.set()  # everything is in staging, whether or not the receipt reaches the task
         conn.send({"ok": True, "files": len(self.received)})
-        self.upload_done.set()
 
     def _send_resume(self, conn: wire.ServerConnection) -> None:
         from airflow_provider_horovod.runner.artifacts import send_tree
@@ -138,7 +161,7 @@ class Channel:
     def broadcast(self, msg: dict[str, Any]) -> None:
         """Send ``msg`` to every connected client (``{"t": "stop"}``: end your ranks now)."""
         with self._lock:
-            conns = list(self._conns)
+            conns = list(self._conns - self._transfers)
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.send(msg)

@@ -316,6 +316,7 @@ class HorovodRunner:
                  "complete" if info["complete"] else "INCOMPLETE", len(info["files"]), artifact_dir)
         self.last_run["artifacts"] = info
         self.last_run["artifact_transfer_s"] = channel.upload_seconds
+        self.last_run["artifact_transport"] = channel.transport  # "copy" (same host), "stream", or None
         self.last_run["artifact_bytes"] = sum(f["size"] for f in channel.received)
         if info.get("timeline"):
             self.last_run["timeline_path"] = str(artifact_dir / info["timeline"])

@@ -54,6 +54,7 @@ class FramedConnection:
         self._nonce = nonce
         self._send_seq = 0
         self._recv_seq = 0
+        self._send_lock = threading.Lock()  # one frame at a time, whichever thread sends
 
     def _mac(self, direction: bytes, seq: int, body: bytes | bytearray | memoryview) -> bytes:
         mac = hmac.new(self._secret, self._nonce + direction + seq.to_bytes(8, "big"), hashlib.sha256)
@@ -61,13 +62,14 @@ class FramedConnection:
         return mac.digest()
 
     def send_bytes(self, body: bytes | bytearray | memoryview, *, direction: bytes = b"c") -> None:
-        mac = self._mac(direction, self._send_seq, body)
-        self._send_seq += 1
-        if len(body) < 65536:
-            self.sock.sendall(_HEADER.pack(len(body)) + mac + bytes(body))
-        else:  # large frames (artifact chunks): no copy of the body
-            self.sock.sendall(_HEADER.pack(len(body)) + mac)
-            self.sock.sendall(body)
+        with self._send_lock:
+            mac = self._mac(direction, self._send_seq, body)
+            self._send_seq += 1
+            if len(body) < 65536:
+                self.sock.sendall(_HEADER.pack(len(body)) + mac + bytes(body))
+            else:  # large frames (artifact chunks): no copy of the body
+                self.sock.sendall(_HEADER.pack(len(body)) + mac)
+                self.sock.sendall(body)
 
     def recv_bytes(self, *, direction: bytes = b"c") -> bytearray:
         (length,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size))

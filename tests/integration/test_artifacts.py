@@ -41,11 +41,16 @@ def test_timeline_off_sets_no_horovod_timeline_anywhere(spark, tmp_path, monkeyp
     assert result["timeline_env"] == [None, None]
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
-def test_checkpoint_round_trips_and_resumes_after_a_failed_run(spark, tmp_path, launcher):
+# Rank 0's task is on the driver's host here, so the driver copies its folder; "stream" turns that
+# off and sends the files over the channel, as from another host.
+@pytest.mark.parametrize(("launcher", "transport"), [("mpirun", "copy"), ("gloo", "stream")])
+def test_checkpoint_round_trips_and_resumes_after_a_failed_run(spark, tmp_path, monkeypatch, launcher, transport):
+    if transport == "stream":
+        monkeypatch.setenv("HVDRUNNER_ARTIFACT_TRANSPORT", "stream")
     first = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=tmp_path / "try-1")
     with pytest.raises(HorovodRunError, match="failing at epoch 2"):
         first.run(jobs.checkpoint_job, epochs=4, fail_at=2, in_flight_at_failure=True)
+    assert first.last_run["artifact_transport"] == transport
     marker = read_marker(tmp_path / "try-1")
     assert marker["status"] == "failed" and marker["complete"] is True
     ckpt = tmp_path / "try-1" / "checkpoints"
@@ -86,7 +91,8 @@ def test_artifact_dir_of_an_earlier_run_is_never_reused(spark, tmp_path):
         HorovodRunner(2, spark=spark, artifact_dir=tmp_path / "a").run(jobs.checkpoint_job, epochs=1)
 
 
-def test_cancel_during_artifact_transfer_leaves_the_folder_marked_incomplete(spark, tmp_path):
+def test_cancel_during_artifact_transfer_leaves_the_folder_marked_incomplete(spark, tmp_path, monkeypatch):
+    monkeypatch.setenv("HVDRUNNER_ARTIFACT_TRANSPORT", "stream")  # slow enough to cancel midway here
     dest = tmp_path / "a"
     runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=dest)
     errors = []

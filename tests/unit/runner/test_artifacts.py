@@ -1,8 +1,23 @@
 from __future__ import annotations
 
+import errno
 import json
+import os
+from pathlib import Path
 
-from airflow_provider_horovod.runner.artifacts import commit, in_progress, load_timeline, read_marker, summarize
+import pytest
+
+from airflow_provider_horovod.runner import artifacts
+from airflow_provider_horovod.runner.artifacts import (
+    commit,
+    copy_tree,
+    in_progress,
+    load_timeline,
+    make_offer,
+    read_marker,
+    summarize,
+    verify_offer,
+)
 
 HOROVOD_STYLE = (
     '[\n{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "grad.0"}},\n'
@@ -56,3 +71,56 @@ def test_incomplete_transfer_stays_in_staging(tmp_path):
 
 def test_files_being_written_are_recognised():
     assert in_progress("epoch-3.pt.tmp") and in_progress(".epoch-3.pt") and not in_progress("epoch-3.pt")
+
+
+# -- same-host copy -------------------------------------------------------------------------------
+def test_offer_is_accepted_only_where_its_token_is_read_back(tmp_path):
+    root = tmp_path / "artifacts"
+    root.mkdir()
+    offer = make_offer(root, tmp_path)
+    assert verify_offer(offer) == root
+    assert Path(offer["proof"]).stat().st_mode & 0o777 == 0o600  # only this user can prove it
+    assert verify_offer({**offer, "token": "0" * 64}) is None  # someone who does not know the token
+    assert verify_offer({**offer, "proof": str(tmp_path / "elsewhere")}) is None  # another host
+    assert verify_offer({**offer, "root": "artifacts"}) is None  # only absolute paths
+    assert verify_offer({**offer, "token": ""}) is None
+    assert verify_offer(None) is None
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_copy_tree_copies_finished_files_only(tmp_path):
+    src = tmp_path / "src"
+    (src / "checkpoints").mkdir(parents=True)
+    (src / "checkpoints" / "epoch-1.pt").write_bytes(os.urandom(3 << 20))
+    (src / "checkpoints" / "epoch-2.pt.tmp").write_bytes(b"half")
+    (src / "timeline.json").write_text("[]")
+    received = copy_tree(src, tmp_path / "dest")
+    assert _tree(tmp_path / "dest") == {k: v for k, v in _tree(src).items() if not k.endswith(".tmp")}
+    assert sorted((r["path"], r["size"]) for r in received) == [("checkpoints/epoch-1.pt", 3 << 20), ("timeline.json", 2)]
+
+
+@pytest.mark.parametrize("refused", [errno.EXDEV, errno.ENOSYS])
+def test_copy_falls_back_when_the_kernel_refuses(tmp_path, monkeypatch, refused):
+    def refuse(*_args):
+        raise OSError(refused, os.strerror(refused))
+
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    monkeypatch.setattr(os, "sendfile", refuse, raising=False)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.bin").write_bytes(os.urandom(5 << 20))
+    copy_tree(tmp_path / "src", tmp_path / "dest")
+    assert _tree(tmp_path / "dest") == _tree(tmp_path / "src")
+
+
+def test_copy_stopped_midway_leaves_no_file_that_looks_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(artifacts, "COPY_CHUNK", 1 << 20)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.bin").write_bytes(os.urandom(4 << 20))
+    progress = []
+    with pytest.raises(ConnectionAbortedError):
+        copy_tree(tmp_path / "src", tmp_path / "dest", cancelled=lambda: len(progress) >= 2, progress=progress.append)
+    assert progress == [1 << 20, 2 << 20]
+    assert [p.name for p in (tmp_path / "dest").iterdir()] == ["model.bin.partial"]

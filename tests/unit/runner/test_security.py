@@ -1,4 +1,5 @@
-"""The exec service and the log channel act only on requests signed with the run's secret."""
+"""The exec service and the log channel act only on requests signed with the run's secret, and the
+driver copies a task's files itself only when it can prove it sees that task's folder."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from airflow_provider_horovod.runner import wire
+from airflow_provider_horovod.runner.artifacts import make_offer, send_tree
 from airflow_provider_horovod.runner.channel import Channel, ChannelClient
 from airflow_provider_horovod.runner.mpi import ExecService, orted_argv
 
@@ -105,6 +107,40 @@ def test_a_frame_replayed_on_another_connection_is_refused():
         _settle(lambda: channel.rejected == 1)
         assert channel.rejected == 1
         assert list(channel.tails[2]) == ["once"]
+    finally:
+        channel.close()
+
+
+def _put(channel: Channel, offer: dict, root) -> str:
+    conn = wire.connect(channel.address, SECRET)
+    try:
+        conn.send({"t": "put", "offer": offer})
+        mode = conn.recv()["mode"]
+        if mode == "stream":
+            send_tree(conn, root)
+        assert conn.recv()["ok"] is True
+        return mode
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("forge", ["none", "token", "proof"])
+def test_driver_copies_a_tasks_folder_only_when_the_offer_proves_it_sees_it(tmp_path, forge):
+    task = tmp_path / "task"
+    (task / "artifacts").mkdir(parents=True)
+    (task / "artifacts" / "model.bin").write_bytes(os.urandom(1 << 16))
+    offer = make_offer(task / "artifacts", task)
+    if forge == "token":  # a peer that never wrote the proof file
+        offer["token"] = "f" * 64
+    elif forge == "proof":  # a proof file this process cannot read (another host, another user)
+        offer["proof"] = str(tmp_path / "not-here")
+    channel = Channel(SECRET, artifact_staging=tmp_path / "staging")
+    channel.start("127.0.0.1")
+    try:
+        assert _put(channel, offer, task / "artifacts") == ("copy" if forge == "none" else "stream")
+        assert channel.transport == ("copy" if forge == "none" else "stream")
+        assert channel.upload_done.is_set() and channel.upload_error is None
+        assert (tmp_path / "staging" / "model.bin").read_bytes() == (task / "artifacts" / "model.bin").read_bytes()
     finally:
         channel.close()
 

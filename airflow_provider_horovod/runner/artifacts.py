@@ -213,6 +213,39 @@ def copy_tree(root: Path, dest: Path, *, cancelled: Callable[[], bool] = lambda:
     return received
 
 
+# -- one transfer, either direction ---------------------------------------------------------------
+def offer_tree(conn, root: Path, proof_dir: Path | None) -> None:
+    """The side that has the files: offer ``root`` (``proof_dir=None``: stream only), stream it if
+    asked, and wait for the taker's receipt; heartbeats and anything else before it are ignored."""
+    conn.send({"offer": make_offer(root, proof_dir) if proof_dir is not None else None})
+    if conn.recv().get("mode") == "stream":
+        send_tree(conn, root)
+    while "ok" not in (receipt := conn.recv()):
+        pass
+    if not receipt["ok"]:
+        raise OSError(receipt.get("error") or "the receiver could not store the files")
+
+
+def take_tree(conn, dest: Path, *, allow_copy: bool = True,
+              cancelled: Callable[[], bool] = lambda: False) -> tuple[str, list[dict[str, Any]]]:
+    """The side that wants the files: copy them if the offer proves this process sees them, else
+    have them streamed. Returns the way taken and the files; the receipt is the caller's to send."""
+    offer = conn.recv().get("offer")
+    local = verify_offer(offer) if allow_copy else None
+    mode = "copy" if local is not None else "stream"
+    conn.send({"mode": mode})
+    if local is None:
+        return mode, receive_tree(conn, dest)
+    beat = [time.monotonic()]
+
+    def heartbeat(_done: int) -> None:  # the offering side waits for the receipt meanwhile
+        if time.monotonic() - beat[0] > 2:
+            conn.send({"copying": True})
+            beat[0] = time.monotonic()
+
+    return mode, copy_tree(local, dest, cancelled=cancelled, progress=heartbeat)
+
+
 # -- timeline -------------------------------------------------------------------------------------
 def load_timeline(path: Path) -> list[dict[str, Any]]:
     """Horovod's timeline as a list of events, closing the array if Horovod left it open.

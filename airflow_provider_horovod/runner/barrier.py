@@ -109,29 +109,24 @@ def upload_artifacts(spec: RunSpec, task_dir: Path) -> None:
     they are streamed over the channel.
     """
     from airflow_provider_horovod.runner import wire
-    from airflow_provider_horovod.runner.artifacts import make_offer, send_tree
+    from airflow_provider_horovod.runner.artifacts import offer_tree
 
     if not spec.collect_artifacts or spec.channel is None:
         return
     with contextlib.suppress(OSError, ValueError):
         conn = wire.connect(spec.channel, spec.secret, timeout=10)
         try:
-            conn.sock.settimeout(60)
-            conn.send({"t": "put", "offer": make_offer(task_dir / "artifacts", task_dir)})
-            if conn.recv().get("mode") == "stream":
-                conn.sock.settimeout(None)
-                send_tree(conn, task_dir / "artifacts")
-                conn.sock.settimeout(60)
-            while "ok" not in conn.recv():  # the driver's receipt; it sends heartbeats while it copies
-                pass
+            conn.sock.settimeout(60)  # the driver answers, or sends a heartbeat, well within this
+            conn.send({"t": "put"})
+            offer_tree(conn, task_dir / "artifacts", task_dir)
         finally:
             conn.close()
 
 
 def fetch_resume(spec: RunSpec, dest: Path) -> None:
-    """Copy the driver's ``resume_from`` folder to ``dest`` on this host."""
+    """Copy the driver's ``resume_from`` folder to ``dest`` on this host (in the kernel if this host is the driver's)."""
     from airflow_provider_horovod.runner import wire
-    from airflow_provider_horovod.runner.artifacts import receive_tree
+    from airflow_provider_horovod.runner.artifacts import take_tree
 
     if spec.channel is None:
         raise TaskFailure({"message": "resume_from needs the executors to reach the driver, and they cannot here. "
@@ -139,7 +134,8 @@ def fetch_resume(spec: RunSpec, dest: Path) -> None:
     conn = wire.connect(spec.channel, spec.secret, timeout=10)
     try:
         conn.send({"t": "fetch-resume"})
-        receive_tree(conn, dest)
+        _mode, files = take_tree(conn, dest)
+        conn.send({"ok": True, "files": len(files)})
     finally:
         conn.close()
 

@@ -14,7 +14,9 @@ import contextlib
 import logging
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -66,6 +68,7 @@ class Channel:
         self.expected_tasks = 0
         self._conns: set[wire.ServerConnection] = set()
         self._transfers: set[wire.ServerConnection] = set()
+        self._proofs: Path | None = None
 
     def start(self, host: str) -> tuple[str, int] | None:
         try:
@@ -80,6 +83,8 @@ class Channel:
     def close(self) -> None:
         """Stop listening and hang up on every client; tasks still running take that as cancel."""
         self._closed.set()
+        if self._proofs is not None:
+            shutil.rmtree(self._proofs, ignore_errors=True)
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.close()
@@ -100,7 +105,7 @@ class Channel:
                     with self._lock:
                         self._transfers.add(conn)  # a file transfer: hung up on by close(), never sent a broadcast
                     if msg["t"] == "put":
-                        self._receive_artifacts(conn, msg.get("offer"))
+                        self._receive_artifacts(conn)
                     else:
                         self._send_resume(conn)
                 else:
@@ -117,30 +122,20 @@ class Channel:
                 self._transfers.discard(conn)
             conn.close()
 
-    def _receive_artifacts(self, conn: wire.ServerConnection, offer: Any) -> None:
+    def _receive_artifacts(self, conn: wire.ServerConnection) -> None:
         """Rank 0's artifacts into the staging folder: copied here if its folder is on this host, else streamed."""
-        from airflow_provider_horovod.runner.artifacts import copy_tree, receive_tree, verify_offer
+        from airflow_provider_horovod.runner.artifacts import take_tree
 
         if self._artifact_staging is None:
+            conn.recv()  # the offer
+            conn.send({"mode": "none"})
             conn.send({"ok": False, "error": "this run collects no artifacts"})
             return
         self.upload_started.set()
         began = time.monotonic()
-        local = verify_offer(offer) if self.same_host_copy else None
-        self.transport = "copy" if local is not None else "stream"
-        conn.send({"mode": self.transport})
         try:
-            if local is not None:
-                beat = [began]
-
-                def heartbeat(_done: int) -> None:  # rank 0's task waits for the receipt meanwhile
-                    if time.monotonic() - beat[0] > 2:
-                        conn.send({"copying": True})
-                        beat[0] = time.monotonic()
-
-                self.received = copy_tree(local, self._artifact_staging, cancelled=self._closed.is_set, progress=heartbeat)
-            else:
-                self.received = receive_tree(conn, self._artifact_staging)
+            self.transport, self.received = take_tree(conn, self._artifact_staging, allow_copy=self.same_host_copy,
+                                                       cancelled=self._closed.is_set)
             self.upload_seconds = time.monotonic() - began
         except OSError as err:  # the driver's disk: full, or the folder went away
             self.upload_error = err
@@ -151,12 +146,22 @@ class Channel:
         conn.send({"ok": True, "files": len(self.received)})
 
     def _send_resume(self, conn: wire.ServerConnection) -> None:
-        from airflow_provider_horovod.runner.artifacts import send_tree
+        from airflow_provider_horovod.runner.artifacts import offer_tree
 
-        if self._resume_root is None:
+        if self._resume_root is None:  # nothing to resume from: an empty stream
+            conn.send({"offer": None})
+            conn.recv()
             conn.send({"end": True, "files": 0})
+            conn.recv()
             return
-        send_tree(conn, self._resume_root)
+        offer_tree(conn, self._resume_root, self._proof_dir() if self.same_host_copy else None)
+
+    def _proof_dir(self) -> Path:
+        """A private folder on the driver for the proof files of its own offers."""
+        with self._lock:
+            if self._proofs is None:
+                self._proofs = Path(tempfile.mkdtemp(prefix="hvdrunner-offers-"))
+            return self._proofs
 
     def broadcast(self, msg: dict[str, Any]) -> None:
         """Send ``msg`` to every connected client (``{"t": "stop"}``: end your ranks now)."""

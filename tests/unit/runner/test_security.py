@@ -10,7 +10,7 @@ import time
 import pytest
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.artifacts import make_offer, send_tree
+from airflow_provider_horovod.runner.artifacts import make_offer, send_tree, take_tree
 from airflow_provider_horovod.runner.channel import Channel, ChannelClient
 from airflow_provider_horovod.runner.mpi import ExecService, orted_argv
 
@@ -114,7 +114,8 @@ def test_a_frame_replayed_on_another_connection_is_refused():
 def _put(channel: Channel, offer: dict, root) -> str:
     conn = wire.connect(channel.address, SECRET)
     try:
-        conn.send({"t": "put", "offer": offer})
+        conn.send({"t": "put"})
+        conn.send({"offer": offer})
         mode = conn.recv()["mode"]
         if mode == "stream":
             send_tree(conn, root)
@@ -143,6 +144,28 @@ def test_driver_copies_a_tasks_folder_only_when_the_offer_proves_it_sees_it(tmp_
         assert (tmp_path / "staging" / "model.bin").read_bytes() == (task / "artifacts" / "model.bin").read_bytes()
     finally:
         channel.close()
+
+
+@pytest.mark.parametrize("transport", ["auto", "stream"])
+def test_a_task_on_the_drivers_host_copies_resume_from_itself(tmp_path, monkeypatch, transport):
+    monkeypatch.setenv("HVDRUNNER_ARTIFACT_TRANSPORT", transport)
+    (tmp_path / "resume").mkdir()
+    (tmp_path / "resume" / "epoch-3.pt").write_bytes(os.urandom(1 << 16))
+    channel = Channel(SECRET, resume_root=tmp_path / "resume")
+    channel.start("127.0.0.1")
+    try:
+        conn = wire.connect(channel.address, SECRET)
+        conn.send({"t": "fetch-resume"})
+        mode, files = take_tree(conn, tmp_path / "task" / "resume")
+        conn.send({"ok": True, "files": len(files)})
+        conn.close()
+        assert mode == ("copy" if transport == "auto" else "stream")
+        assert (tmp_path / "task" / "resume" / "epoch-3.pt").read_bytes() == (tmp_path / "resume" / "epoch-3.pt").read_bytes()
+        proofs = channel._proofs
+        assert (proofs is not None) == (transport == "auto")
+    finally:
+        channel.close()
+    assert proofs is None or not proofs.exists()  # the driver's proof files go with the channel
 
 
 def test_orted_command_is_split_without_a_shell():

@@ -226,13 +226,15 @@ def offer_tree(conn, root: Path, proof_dir: Path | None) -> None:
         raise OSError(receipt.get("error") or "the receiver could not store the files")
 
 
-def take_tree(conn, dest: Path, *, allow_copy: bool = True,
-              cancelled: Callable[[], bool] = lambda: False) -> tuple[str, list[dict[str, Any]]]:
+def take_tree(conn, dest: Path, *, allow_copy: bool = True, cancelled: Callable[[], bool] = lambda: False,
+              chosen: Callable[[str], None] = lambda mode: None) -> tuple[str, list[dict[str, Any]]]:
     """The side that wants the files: copy them if the offer proves this process sees them, else
-    have them streamed. Returns the way taken and the files; the receipt is the caller's to send."""
+    have them streamed. ``chosen`` hears the way taken before any file moves. Returns the way and
+    the files; the receipt is the caller's to send."""
     offer = conn.recv().get("offer")
     local = verify_offer(offer) if allow_copy else None
     mode = "copy" if local is not None else "stream"
+    chosen(mode)
     conn.send({"mode": mode})
     if local is None:
         return mode, receive_tree(conn, dest)

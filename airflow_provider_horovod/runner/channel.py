@@ -134,8 +134,8 @@ class Channel:
         self.upload_started.set()
         began = time.monotonic()
         try:
-            self.transport, self.received = take_tree(conn, self._artifact_staging, allow_copy=self.same_host_copy,
-                                                       cancelled=self._closed.is_set)
+            _mode, self.received = take_tree(conn, self._artifact_staging, allow_copy=self.same_host_copy,
+                                             cancelled=self._closed.is_set, chosen=self._chose)
             self.upload_seconds = time.monotonic() - began
         except OSError as err:  # the driver's disk: full, or the folder went away
             self.upload_error = err
@@ -144,6 +144,9 @@ class Channel:
             raise ConnectionError(str(err)) from err
         self.upload_done.set()  # everything is in staging, whether or not the receipt reaches the task
         conn.send({"ok": True, "files": len(self.received)})
+
+    def _chose(self, mode: str) -> None:
+        self.transport = mode
 
     def _send_resume(self, conn: wire.ServerConnection) -> None:
         from airflow_provider_horovod.runner.artifacts import offer_tree

@@ -17,4 +17,4 @@ loss.backward()
 optimizer.step()
 weights = hvd.allgather_object([w.detach().flatten().tolist() for w in model.parameters()])
 if hvd.rank() == 0:
-    print("RESULT " + json.dumps({"size": hvd.size(), "sum": total, "same_weights": weights[0] == weights[1]}))
+    print("RESULT " + json.dumps({"size": hvd.size(), "sum": total, "same_weights": weights[0] == weights[1]}), flush=True)

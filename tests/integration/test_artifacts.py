@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from airflow_provider_horovod import ArtifactError, HorovodRunError, HorovodRunner, RunCancelledError
+from airflow_provider_horovod.runner import artifacts
 from airflow_provider_horovod.runner.artifacts import MARKER, read_marker
 from tests.integration import jobs
 
@@ -91,15 +92,31 @@ def test_artifact_dir_of_an_earlier_run_is_never_reused(spark, tmp_path):
         HorovodRunner(2, spark=spark, artifact_dir=tmp_path / "a").run(jobs.checkpoint_job, epochs=1)
 
 
-def test_cancel_during_artifact_transfer_leaves_the_folder_marked_incomplete(spark, tmp_path, monkeypatch):
-    monkeypatch.setenv("HVDRUNNER_ARTIFACT_TRANSPORT", "stream")  # slow enough to cancel midway here
+@pytest.mark.parametrize("transport", ["copy", "stream"])
+def test_cancel_during_artifact_transfer_leaves_the_folder_marked_incomplete(spark, tmp_path, monkeypatch, transport):
+    # A slow link: the driver (this process) takes 0.1 s per 4 MiB, so 400 MiB is still on its way
+    # when the cancel's grace runs out; the ranks' side is untouched.
+    monkeypatch.setenv("HVDRUNNER_ARTIFACT_TRANSPORT", "auto" if transport == "copy" else "stream")
+    if transport == "copy":
+        real_step = artifacts._copy_step
+        monkeypatch.setattr(artifacts, "COPY_CHUNK", 4 << 20)
+        monkeypatch.setattr(artifacts, "_copy_step", lambda *a: time.sleep(0.1) or real_step(*a))
+    else:
+        real_receive = artifacts.receive_tree
+
+        def slow_receive(conn, dest):
+            recv_bytes = conn.recv_bytes
+            conn.recv_bytes = lambda *a, **k: time.sleep(0.1) or recv_bytes(*a, **k)
+            return real_receive(conn, dest)
+
+        monkeypatch.setattr(artifacts, "receive_tree", slow_receive)
     dest = tmp_path / "a"
     runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=dest)
     errors = []
 
     def run():
         try:
-            runner.run(jobs.checkpoint_job, epochs=1, big_mb=1500)
+            runner.run(jobs.checkpoint_job, epochs=1, big_mb=400)
         except BaseException as err:  # noqa: BLE001
             errors.append(err)
 
@@ -108,13 +125,18 @@ def test_cancel_during_artifact_transfer_leaves_the_folder_marked_incomplete(spa
     deadline = time.monotonic() + 120
     incoming = None
     while time.monotonic() < deadline and incoming is None:
-        for p in dest.glob(".incoming-*/checkpoints/*"):
+        for p in dest.glob(".incoming-*/checkpoints/big.bin.partial"):
             incoming = p
         time.sleep(0.05)
     assert incoming is not None, "the transfer never started"
     runner.cancel()
     thread.join(30)
     assert len(errors) == 1 and isinstance(errors[0], RunCancelledError)
+    assert runner.last_run["artifact_transport"] == transport
     marker = read_marker(dest)
     assert marker["status"] == "cancelled" and marker["complete"] is False
     assert not (dest / "checkpoints").exists()  # nothing half-copied looks like a checkpoint
+    size = incoming.stat().st_size
+    time.sleep(1)
+    assert incoming.stat().st_size == size  # and nothing is still being written after run() returned
+    assert list(dest.glob(".incoming-*/checkpoints/big.bin")) == []

@@ -71,6 +71,7 @@ def test_checkpoint_is_pulled_from_an_executor_outside_the_drivers_process_tree(
     assert torch.load(checkpoint / "epoch-1.pt")["epoch"] == 1
     assert json.loads(Path(got["last_run"]["timeline_path"]).read_text())
     assert got["last_run"]["artifacts"]["status"] == "success"
+    assert got["last_run"]["artifact_transport"] == "stream"
 
 
 def test_spark_connect_session_runs_gloo_and_returns_rank_zeros_value(tmp_path):

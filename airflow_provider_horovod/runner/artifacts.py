@@ -23,9 +23,11 @@ import hmac
 import html
 import json
 import os
+import queue
 import secrets
 import shutil
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -105,28 +107,88 @@ def send_tree(conn, root: Path) -> int:
     return sent
 
 
+class _FileWriter:
+    """Writes received chunks in a thread of its own, so the disk works while the next frame arrives.
+
+    At most ``depth`` chunks wait in between, so memory stays bounded. A write error is raised in
+    the receiving thread at its next call; ``stop`` abandons whatever is still queued.
+    """
+
+    def __init__(self, depth: int = 2) -> None:
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="hvdrunner-artifact-writer", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        out = None
+        while (item := self._queue.get()) is not None:
+            op, arg = item
+            if self._error is not None:
+                continue  # drain without writing: the receiver raises at its next call
+            try:
+                if op == "open":
+                    out = open(arg, "wb")  # noqa: SIM115 (closed by "close" or on the way out)
+                elif op == "write":
+                    out.write(arg)
+                else:  # "close": (partial, target)
+                    out.close()
+                    os.replace(*arg)
+            except BaseException as err:  # noqa: BLE001 (handed to the receiving thread)
+                self._error = err
+        if out is not None:
+            out.close()
+
+    def put(self, op: str, arg: Any) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put((op, arg))
+
+    def finish(self) -> None:
+        """Wait until everything queued is on disk; raise the first write error, if any."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        """Abandon the transfer: let the thread end without writing what is left."""
+        self._error = self._error or ConnectionAbortedError("transfer abandoned")
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+        self._queue.put(None)
+        self._thread.join()
+
+
 def receive_tree(conn, dest: Path) -> list[dict[str, Any]]:
     """Receive what ``send_tree`` sends into ``dest``; files appear only when whole."""
     received = []
     dest.mkdir(parents=True, exist_ok=True)
-    while True:
-        head = conn.recv()
-        if head.get("end"):
-            return received
-        rel = Path(head["file"])
-        if rel.is_absolute() or ".." in rel.parts:
-            raise ValueError("refusing a file outside the artifact folder: %s" % rel)
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(target.name + ".partial")
-        left = int(head["size"])
-        with partial.open("wb") as out:
+    writer = _FileWriter()
+    try:
+        while True:
+            head = conn.recv()
+            if head.get("end"):
+                writer.finish()
+                return received
+            rel = Path(head["file"])
+            if rel.is_absolute() or ".." in rel.parts:
+                raise ValueError("refusing a file outside the artifact folder: %s" % rel)
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(target.name + ".partial")
+            writer.put("open", partial)
+            left = int(head["size"])
             while left > 0:
                 chunk = conn.recv_bytes()
-                out.write(chunk)
+                writer.put("write", chunk)
                 left -= len(chunk)
-        os.replace(partial, target)
-        received.append({"path": rel.as_posix(), "size": int(head["size"])})
+            writer.put("close", (partial, target))
+            received.append({"path": rel.as_posix(), "size": int(head["size"])})
+    except BaseException:
+        writer.stop()
+        raise
 
 
 # -- same-host copy -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from airflow_provider_horovod.runner.artifacts import (
     load_timeline,
     make_offer,
     read_marker,
+    receive_tree,
     summarize,
     verify_offer,
 )
@@ -124,3 +125,43 @@ def test_copy_stopped_midway_leaves_no_file_that_looks_whole(tmp_path, monkeypat
         copy_tree(tmp_path / "src", tmp_path / "dest", cancelled=lambda: len(progress) >= 2, progress=progress.append)
     assert progress == [1 << 20, 2 << 20]
     assert [p.name for p in (tmp_path / "dest").iterdir()] == ["model.bin.partial"]
+
+
+# -- streaming ------------------------------------------------------------------------------------
+class _Frames:
+    """The receiving end of a connection, replaying the frames ``send_tree`` would send."""
+
+    def __init__(self, frames: list) -> None:
+        self.frames = list(frames)
+
+    def recv(self):
+        frame = self.frames.pop(0)
+        if isinstance(frame, BaseException):
+            raise frame
+        return frame
+
+    recv_bytes = recv
+
+
+def test_streamed_files_appear_whole_in_order(tmp_path):
+    body = os.urandom(10 << 20)
+    frames = [{"file": "checkpoints/a.pt", "size": len(body)}, body[: 4 << 20], body[4 << 20 : 8 << 20], body[8 << 20 :],
+              {"file": "timeline.json", "size": 2}, b"[]", {"end": True, "files": 2}]
+    received = receive_tree(_Frames(frames), tmp_path / "dest")
+    assert received == [{"path": "checkpoints/a.pt", "size": len(body)}, {"path": "timeline.json", "size": 2}]
+    assert _tree(tmp_path / "dest") == {"checkpoints/a.pt": body, "timeline.json": b"[]"}
+
+
+def test_a_stream_cut_midway_leaves_only_a_partial_file(tmp_path):
+    frames = [{"file": "a.pt", "size": 3}, b"ab", ConnectionResetError("the task went away")]
+    with pytest.raises(ConnectionResetError):
+        receive_tree(_Frames(frames), tmp_path / "dest")
+    assert [p.name for p in (tmp_path / "dest").iterdir()] in ([], ["a.pt.partial"])  # never a.pt
+
+
+def test_a_write_error_on_the_driver_reaches_the_receiver(tmp_path):
+    (tmp_path / "dest" / "a.pt.partial").mkdir(parents=True)  # the writer cannot open its file
+    frames = [{"file": "a.pt", "size": 1}, b"x", {"end": True}]
+    with pytest.raises(IsADirectoryError):
+        receive_tree(_Frames(frames), tmp_path / "dest")
+    assert not (tmp_path / "dest" / "a.pt").exists()

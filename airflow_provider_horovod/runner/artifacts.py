@@ -279,7 +279,11 @@ def copy_tree(root: Path, dest: Path, *, cancelled: Callable[[], bool] = lambda:
 def offer_tree(conn, root: Path, proof_dir: Path | None) -> None:
     """The side that has the files: offer ``root`` (``proof_dir=None``: stream only), stream it if
     asked, and wait for the taker's receipt; heartbeats and anything else before it are ignored."""
-    conn.send({"offer": make_offer(root, proof_dir) if proof_dir is not None else None})
+    offer = None
+    if proof_dir is not None:
+        with contextlib.suppress(OSError):  # no proof file (disk full, read-only): the stream still works
+            offer = make_offer(root, proof_dir)
+    conn.send({"offer": offer})
     if conn.recv().get("mode") == "stream":
         send_tree(conn, root)
     while "ok" not in (receipt := conn.recv()):

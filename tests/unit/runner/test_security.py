@@ -10,7 +10,7 @@ import time
 import pytest
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.artifacts import make_offer, send_tree, take_tree
+from airflow_provider_horovod.runner.artifacts import make_offer, offer_tree, send_tree, take_tree
 from airflow_provider_horovod.runner.channel import Channel, ChannelClient
 from airflow_provider_horovod.runner.mpi import ExecService, orted_argv
 
@@ -166,6 +166,22 @@ def test_a_task_on_the_drivers_host_copies_resume_from_itself(tmp_path, monkeypa
     finally:
         channel.close()
     assert proofs is None or not proofs.exists()  # the driver's proof files go with the channel
+
+
+def test_a_task_that_cannot_write_its_proof_file_still_delivers_by_stream(tmp_path):
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "model.bin").write_bytes(b"weights")
+    channel = Channel(SECRET, artifact_staging=tmp_path / "staging")
+    channel.start("127.0.0.1")
+    try:
+        conn = wire.connect(channel.address, SECRET)
+        conn.send({"t": "put"})
+        offer_tree(conn, tmp_path / "artifacts", tmp_path / "no-such-folder")
+        conn.close()
+        assert channel.transport == "stream"
+        assert (tmp_path / "staging" / "model.bin").read_bytes() == b"weights"
+    finally:
+        channel.close()
 
 
 def test_orted_command_is_split_without_a_shell():

@@ -70,17 +70,17 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
 
 
 # -- streaming ------------------------------------------------------------------------------------
-def finished_files(root: Path) -> list[Path]:
+def finished_files(root: Path | None) -> list[Path]:
     """Every file under ``root`` that is not still being written, in a stable order."""
     files = []
-    if root.is_dir():
+    if root is not None and root.is_dir():
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames if not in_progress(d))
             files += [Path(dirpath) / name for name in sorted(filenames) if not in_progress(name)]
     return files
 
 
-def send_tree(conn, root: Path) -> int:
+def send_tree(conn, root: Path | None) -> int:
     """Send every finished file under ``root``; return how many bytes were sent."""
     sent = 0
     files = finished_files(root)
@@ -276,11 +276,12 @@ def copy_tree(root: Path, dest: Path, *, cancelled: Callable[[], bool] = lambda:
 
 
 # -- one transfer, either direction ---------------------------------------------------------------
-def offer_tree(conn, root: Path, proof_dir: Path | None) -> None:
-    """The side that has the files: offer ``root`` (``proof_dir=None``: stream only), stream it if
-    asked, and wait for the taker's receipt; heartbeats and anything else before it are ignored."""
+def offer_tree(conn, root: Path | None, proof_dir: Path | None) -> None:
+    """The side that has the files: offer ``root`` (``proof_dir=None``: stream only; ``root=None``:
+    an empty stream), stream it if asked, and wait for the taker's receipt; heartbeats and anything
+    else before it are ignored."""
     offer = None
-    if proof_dir is not None:
+    if root is not None and proof_dir is not None:
         with contextlib.suppress(OSError):  # no proof file (disk full, read-only): the stream still works
             offer = make_offer(root, proof_dir)
     conn.send({"offer": offer})

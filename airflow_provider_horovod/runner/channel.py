@@ -151,13 +151,8 @@ class Channel:
     def _send_resume(self, conn: wire.ServerConnection) -> None:
         from airflow_provider_horovod.runner.artifacts import offer_tree
 
-        if self._resume_root is None:  # nothing to resume from: an empty stream
-            conn.send({"offer": None})
-            conn.recv()
-            conn.send({"end": True, "files": 0})
-            conn.recv()
-            return
-        offer_tree(conn, self._resume_root, self._proof_dir() if self.same_host_copy else None)
+        proofs = self._proof_dir() if self.same_host_copy and self._resume_root is not None else None
+        offer_tree(conn, self._resume_root, proofs)
 
     def _proof_dir(self) -> Path:
         """A private folder on the driver for the proof files of its own offers."""

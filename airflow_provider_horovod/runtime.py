@@ -27,32 +27,32 @@ def _int(name: str, default: int) -> int:
 
 
 def rank() -> int:
-    return _int("HOROVOD_RANK", _int("OMPI_COMM_WORLD_RANK", 0))
+    return _int("HVDRUNNER_RANK", _int("HOROVOD_RANK", _int("OMPI_COMM_WORLD_RANK", 0)))
 
 
 def size() -> int:
-    return _int("HOROVOD_SIZE", _int("OMPI_COMM_WORLD_SIZE", 1))
+    return _int("HVDRUNNER_SIZE", _int("HOROVOD_SIZE", _int("OMPI_COMM_WORLD_SIZE", 1)))
 
 
 def local_rank() -> int:
-    return _int("HOROVOD_LOCAL_RANK", _int("OMPI_COMM_WORLD_LOCAL_RANK", 0))
+    return _int("HVDRUNNER_LOCAL_RANK", _int("HOROVOD_LOCAL_RANK", _int("OMPI_COMM_WORLD_LOCAL_RANK", 0)))
 
 
 def local_size() -> int:
-    return _int("HOROVOD_LOCAL_SIZE", _int("OMPI_COMM_WORLD_LOCAL_SIZE", 1))
+    return _int("HVDRUNNER_LOCAL_SIZE", _int("HOROVOD_LOCAL_SIZE", _int("OMPI_COMM_WORLD_LOCAL_SIZE", 1)))
 
 
 def cross_rank() -> int:
-    return _int("HOROVOD_CROSS_RANK", 0)
+    return _int("HVDRUNNER_CROSS_RANK", _int("HOROVOD_CROSS_RANK", 0))
 
 
 def cross_size() -> int:
-    return _int("HOROVOD_CROSS_SIZE", 1)
+    return _int("HVDRUNNER_CROSS_SIZE", _int("HOROVOD_CROSS_SIZE", 1))
 
 
 def hostname() -> str:
     """The host identity the runner gave this rank (one per Spark executor)."""
-    return os.environ.get("HOROVOD_HOSTNAME", "localhost")
+    return os.environ.get("HVDRUNNER_HOSTNAME") or os.environ.get("HOROVOD_HOSTNAME", "localhost")
 
 
 def in_runner() -> bool:

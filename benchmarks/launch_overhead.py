@@ -9,25 +9,25 @@ Every contender runs the same no-op job with 2 ranks: ``hvd.init()``, one ``hvd.
 1-element tensor, return (TorchDistributor: ``init_process_group("gloo")``, one ``all_reduce``,
 ``destroy_process_group``). The contenders are
 
-* ``horovodrun``: ``horovodrun -np 2 -H localhost:2 python noop.py`` through ``subprocess``
-  (a script file written to a temp dir; horovodrun picks MPI when it is there, as the runner's
-  default launcher does); wall time of the whole command;
+* ``horovodrun --mpi`` and ``horovodrun --gloo``: ``horovodrun -np 2 -H localhost:2 --<launcher>
+  python noop.py`` through ``subprocess`` (a script file written to a temp dir); wall time of the
+  whole command;
 * ``HorovodRunner(2, spark=spark).run(noop)``, with ``launcher="mpirun"`` (the default) and
   ``launcher="gloo"``, on a warm ``local[2]`` SparkSession;
 * ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(fn)`` on the same
   session (distributed mode: one barrier task per process, ``torchrun`` in each).
 
 Each contender gets one untimed warm-up run; then the contenders alternate for ``--rounds`` rounds
-and the script prints the median wall time of each and the ratios against the targets
-(HorovodRunner <= 1.5x horovodrun, <= 0.5x TorchDistributor), all from this one run.
+and the script prints the median wall time of each and the ratios against the targets of issue #9
+(runner mpirun <= 0.7x ``horovodrun --mpi``, runner gloo <= 1.0x ``horovodrun --gloo``, each
+<= 0.35x TorchDistributor), all from this one run.
 
 It also prints where the time goes: rank 0 records wall-clock stamps as the job function starts,
 after ``import torch``/``horovod``, after ``init`` and after the allreduce, so each wall splits into
 *start* (until rank 0's function is entered), *import*, *init*, *op*, and *end* (from the op to
 the call's return, teardown included). All stamps come from the same clock on one machine.
-For HorovodRunner the driver also notes when the runner's own channel events arrive (a barrier
-task started, the plan is made, mpirun asked for orted), which splits *start* further; the hook
-only wraps ``Channel.handle`` in this process and changes nothing the runner does.
+For HorovodRunner the run report's own phase marks (``last_run.phases``: every task's facts in
+and the plan sent, start sent, every task finished and released) split *start* and *end* further.
 """
 
 from __future__ import annotations
@@ -50,8 +50,14 @@ from _common import warm_local_session  # benchmarks/ is sys.path[0] when a scri
 
 NP = 2
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
-TARGET_VS_HOROVODRUN = 1.5
-TARGET_VS_TORCHDISTRIBUTOR = 0.5
+# issue #9: runner mpirun <= 0.7x horovodrun --mpi, runner gloo <= 1.0x horovodrun --gloo,
+# each launcher <= 0.35x TorchDistributor
+TARGETS = {
+    ("runner_mpirun", "horovodrun_mpi"): 0.7,
+    ("runner_gloo", "horovodrun_gloo"): 1.0,
+    ("runner_mpirun", "torchdistributor"): 0.35,
+    ("runner_gloo", "torchdistributor"): 0.35,
+}
 
 
 # -- the job functions (shipped by value: every import is inside) -------------------------------
@@ -108,34 +114,16 @@ if __name__ == "__main__":
 '''
 
 
-# -- HorovodRunner's channel events, stamped on arrival at the driver -------------------------------
-EVENTS: list[tuple[float, str]] = []
+# -- HorovodRunner's own phase marks (RunReport.phases: seconds after run() began) ------------------
+PHASES: list[dict[str, float]] = []
 
 
-def hook_channel_events() -> None:
-    from airflow_provider_horovod.runner.channel import Channel
-
-    original = Channel.handle
-
-    def handle(self, msg):
-        if isinstance(msg, dict) and msg.get("t") == "event":
-            EVENTS.append((time.time(), str(msg.get("kind"))))
-        return original(self, msg)
-
-    Channel.handle = handle
-
-
-def runner_start_split(t0: float, enter: float) -> dict:
-    """Seconds from run() to: the last barrier task started, the plan, orted launched, rank 0's fn."""
-    out = {}
-    started = [t for t, k in EVENTS if k == "task-started"]
-    if started:
-        out["tasks started"] = max(started) - t0
-    for kind, label in (("plan", "plan made"), ("orted-launched", "orted launched")):
-        ts = [t for t, k in EVENTS if k == kind]
-        if ts:
-            out[label] = min(ts) - t0
+def runner_start_split(phases: dict[str, float], t0: float, enter: float) -> dict:
+    """Seconds from run() to: every task's facts in (the plan goes out), start sent, rank 0's fn entered."""
+    out = {label: phases[key] for key, label in (("facts", "plan sent"), ("start", "start sent")) if key in phases}
     out["fn entered"] = enter - t0
+    if "released" in phases:
+        out["tasks released"] = phases["released"]
     return out
 
 
@@ -147,19 +135,30 @@ class Contenders:
         self.script = workdir / "noop.py"
         self.script.write_text(SCRIPT.format(source=textwrap.dedent(inspect.getsource(noop))))
 
-    def horovodrun(self) -> dict:
+    def horovodrun(self, launcher: str) -> dict:
         out = self.workdir / "stamps.json"
         out.unlink(missing_ok=True)
-        cmd = [HOROVODRUN, "-np", str(NP), "-H", "localhost:%d" % NP, sys.executable, str(self.script), str(out)]
+        cmd = [HOROVODRUN, "-np", str(NP), "-H", "localhost:%d" % NP, "--%s" % launcher, sys.executable, str(self.script),
+               str(out)]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
             raise RuntimeError("horovodrun exited with %d:\n%s" % (proc.returncode, proc.stdout[-3000:]))
         return json.loads(out.read_text())
 
+    def horovodrun_mpi(self) -> dict:
+        return self.horovodrun("mpi")
+
+    def horovodrun_gloo(self) -> dict:
+        return self.horovodrun("gloo")
+
     def runner(self, launcher: str) -> dict:
         from airflow_provider_horovod import HorovodRunner
 
-        return HorovodRunner(NP, launcher=launcher, spark=self.spark, driver_log_verbosity="log_callback_only").run(noop)
+        runner = HorovodRunner(NP, launcher=launcher, spark=self.spark, driver_log_verbosity="log_callback_only")
+        try:
+            return runner.run(noop)
+        finally:
+            PHASES.append(dict(runner.last_run.phases))
 
     def runner_mpirun(self) -> dict:
         return self.runner("mpirun")
@@ -174,7 +173,8 @@ class Contenders:
 
 
 NAMES = {
-    "horovodrun": "horovodrun -np 2 (subprocess)",
+    "horovodrun_mpi": "horovodrun -np 2 --mpi (subprocess)",
+    "horovodrun_gloo": "horovodrun -np 2 --gloo (subprocess)",
     "runner_mpirun": "HorovodRunner(2) mpirun",
     "runner_gloo": "HorovodRunner(2) gloo",
     "torchdistributor": "TorchDistributor(2, local_mode=False)",
@@ -182,7 +182,7 @@ NAMES = {
 
 
 def timed(fn) -> tuple[float, dict | None, str | None]:
-    EVENTS.clear()
+    PHASES.clear()
     t0 = time.time()
     try:
         stamps = fn()
@@ -200,8 +200,8 @@ def timed(fn) -> tuple[float, dict | None, str | None]:
         "op": stamps["op"] - stamps["init"],
         "end": t1 - stamps["op"],
     }
-    if EVENTS:
-        split["runner"] = runner_start_split(t0, stamps["enter"])
+    if PHASES:
+        split["runner"] = runner_start_split(PHASES[-1], t0, stamps["enter"])
     return t1 - t0, split, None
 
 
@@ -231,7 +231,6 @@ def main() -> int:
     os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
 
     signal.signal(signal.SIGTERM, _interrupt)  # a timeout still gets the summary of the rounds so far
-    hook_channel_events()
     t_setup = time.time()
     spark = make_spark()
     print("SparkSession local[2] up in %.1fs; Python %s; %d CPUs; load average %.2f %.2f %.2f"
@@ -295,20 +294,14 @@ def main() -> int:
     print()
     print("%-46s %8s %8s  %-6s %s" % ("ratio (medians)", "measured", "target", "result", "paired: median of per-round ratios"))
 
-    for runner in ("runner_mpirun", "runner_gloo"):
-        if runner not in order:
+    for (runner, other), target in TARGETS.items():
+        if runner not in order or other not in order:
             continue
-        for other, target, label in (("horovodrun", TARGET_VS_HOROVODRUN, "horovodrun"),
-                                     ("torchdistributor", TARGET_VS_TORCHDISTRIBUTOR, "TorchDistributor")):
-            if other not in order:
-                continue
-            text, value = fmt_ratio(med[runner], med[other])
-            verdict = "n/a (a contender failed)" if value is None else ("PASS" if value <= target else "MISS")
-
-            pairs = [w[runner] / w[other] for w in per_round if runner in w and other in w]
-            print("%-46s %8s %8s  %-6s %s" % ("%s / %s" % (NAMES[runner].replace("HorovodRunner(2) ", "HorovodRunner "), label),
-                                             text, "<= %.1fx" % target, verdict,
-                                             "%.2fx" % statistics.median(pairs) if pairs else "n/a"))
+        text, value = fmt_ratio(med[runner], med[other])
+        verdict = "n/a (a contender failed)" if value is None else ("PASS" if value <= target else "MISS")
+        pairs = [w[runner] / w[other] for w in per_round if runner in w and other in w]
+        print("%-46s %8s %8s  %-6s %s" % ("%s / %s" % (runner, other), text, "<= %.2fx" % target, verdict,
+                                         "%.2fx" % statistics.median(pairs) if pairs else "n/a"))
     spark.stop()
     return 0
 

@@ -288,8 +288,10 @@ class HorovodRunnerHook(BaseHook):
             raise ArtifactError("%s already holds a committed run; refusing to overwrite it." % folder)
         return folder
 
-    def store_artifacts(self, local_dir: str | Path, folder: ObjectStoragePath, marker: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``local_dir`` into ``folder``, then write the marker last: the commit point.
+    def store_artifacts(self, local_dir: str | Path, folder: ObjectStoragePath, marker: dict[str, Any], *,
+                        extra_files: dict[str, bytes] | None = None) -> dict[str, Any]:
+        """Copy the engine's committed ``local_dir`` (and ``extra_files``) into ``folder``, then
+        write the marker last: the store's one commit point. Nothing writes into ``local_dir``.
 
         The engine's own marker in ``local_dir`` (if any) is merged into ``marker``, and
         ``stored_files`` lists what was copied. Returns the marker as written.
@@ -306,6 +308,9 @@ class HorovodRunnerHook(BaseHook):
                     engine_marker = json.loads(path.read_text())
                 continue
             _upload(path, folder / rel)
+            files.append(rel)
+        for rel, data in sorted((extra_files or {}).items()):
+            (folder / rel).write_bytes(data)
             files.append(rel)
         committed = {**engine_marker, **marker, "stored_files": files}
         tmp = folder / (MARKER + ".tmp")

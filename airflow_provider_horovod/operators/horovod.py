@@ -174,15 +174,16 @@ class HorovodRunnerOperator(BaseOperator):
         import cloudpickle
 
         xcom_result: Any = None
+        extra_files: dict[str, bytes] = {}
         if error is None:
             if _is_json(result):
                 xcom_result = result
-            else:
-                (Path(local) / RESULT_FILE).write_bytes(cloudpickle.dumps(result))
+            else:  # stored beside the artifacts, never written into the engine's committed folder
+                extra_files[RESULT_FILE] = cloudpickle.dumps(result)
                 xcom_result = {"artifact_uri": str(store / RESULT_FILE), "type": _type_name(result), "format": "cloudpickle"}
         status = "success" if error is None else ("cancelled" if type(error).__name__ == "RunCancelledError" else "failed")
         marker = {"status": status, "try_number": try_number, "np": last_run.get("np"), "run_id": last_run.get("run_id")}
-        committed = self.hook.store_artifacts(local, store, marker)
+        committed = self.hook.store_artifacts(local, store, marker, extra_files=extra_files)
         files = set(committed["stored_files"])
         checkpoint_uri = str(store / CHECKPOINTS) if any(f.startswith(CHECKPOINTS + "/") for f in files) else None
         timeline_uri = str(store / "timeline.json") if "timeline.json" in files else None

@@ -1,10 +1,12 @@
-"""The driver-side channel: an authenticated stream of log lines and events from tasks and ranks.
+"""The driver's channel: one authenticated listener for the launch, the rank logs and the artifacts.
 
-The driver listens on its Spark address; tasks and ranks connect with the run's secret
-(``wire``). Everything sent is small JSON: ``logs`` (a batch of lines of one rank), ``event``
-(task started, orted launched, ...) and ``error`` (a rank's exception, traceback and last lines).
-Where executors cannot reach the driver (a Spark Connect session to a remote server), clients give
-up quietly and the same information travels back in the barrier stage's result rows instead.
+Barrier tasks connect first (``hello``), report their facts and get the plan, report ``ready`` and
+get ``start``, report ``finished`` and get ``release``: the launch never waits on Spark's polling
+``allGather``/``barrier``. Rank processes connect to stream their output (``logs``) and their
+failures (``error``); rank 0's task hands over its artifacts on a connection of its own (``put``).
+Every message becomes a typed event for the supervisor (``events.py``); the channel decides
+nothing. Where executors cannot reach the driver (a Spark Connect session to a remote server),
+clients give up quietly and the same information travels back in the barrier stage's result rows.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import queue
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -23,7 +26,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_horovod.runner import wire
+from airflow_provider_horovod.runner import names, wire
+from airflow_provider_horovod.runner.events import (
+    Event,
+    FactsReported,
+    Failure,
+    RankFailed,
+    TaskFinished,
+    TaskLost,
+    TaskReady,
+    TaskStarted,
+    UploadFinished,
+    UploadStarted,
+)
+from airflow_provider_horovod.runner.plan import TaskFacts
 
 log = logging.getLogger(__name__)
 rank_log = logging.getLogger("airflow_provider_horovod.ranks")
@@ -31,50 +47,67 @@ rank_log = logging.getLogger("airflow_provider_horovod.ranks")
 TAIL_LINES = 100
 
 
+class RankOutput:
+    """Where rank lines go on the driver: the ``airflow_provider_horovod.ranks`` logger when logging
+    is set up (Airflow's task log), else the driver's stdout (a notebook, a script)."""
+
+    def __init__(self, *, stream_all: bool) -> None:
+        self.stream_all = stream_all
+        self.to_stdout = not rank_log.hasHandlers()
+
+    def __call__(self, rank: int, lines: list[str], *, callback: bool) -> None:
+        if not (self.stream_all or callback):
+            return
+        if self.to_stdout:
+            sys.stdout.write("".join("[rank %d] %s\n" % (rank, line) for line in lines))
+            sys.stdout.flush()
+        else:
+            for line in lines:
+                rank_log.info("[rank %d] %s", rank, line)
+
+
 class Channel:
-    """Accepts authenticated connections and collects what they send."""
+    """Accepts authenticated connections, turns what they send into events, sends tasks their orders."""
 
     def __init__(
         self,
         secret: bytes,
         *,
-        emit_logs: bool = True,
+        on_event: Callable[[Event], None] = lambda event: None,
+        output: Callable[..., None] | None = None,
         artifact_staging: Path | None = None,
         resume_root: Path | None = None,
     ) -> None:
         self._secret = secret
+        self._on_event = on_event
+        self._output = output or RankOutput(stream_all=True)
         self._artifact_staging = artifact_staging
         self._resume_root = resume_root
-        self.upload_started = threading.Event()
-        self.upload_done = threading.Event()
-        self.upload_error: BaseException | None = None
-        self.received: list[dict[str, Any]] = []
-        self.done: set[int] = set()
-        self.upload_seconds: float | None = None
-        self.transport: str | None = None
         # HVDRUNNER_ARTIFACT_TRANSPORT=stream turns the same-host copy off (tests of the stream use it).
-        self.same_host_copy = os.environ.get("HVDRUNNER_ARTIFACT_TRANSPORT", "auto") != "stream"
-        self._emit_logs = emit_logs
+        self._same_host_copy = os.environ.get(names.ENV_ARTIFACT_TRANSPORT, "auto") != "stream"
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
-        self.address: tuple[str, int] | None = None
-        self.tails: dict[int, collections.deque[str]] = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
-        self.errors: list[dict[str, Any]] = []
-        self.events: list[dict[str, Any]] = []
-        self.rejected = 0
-        self.started: set[int] = set()
-        self.started_event = threading.Event()
-        self.expected_tasks = 0
         self._conns: set[wire.ServerConnection] = set()
-        self._transfers: set[wire.ServerConnection] = set()
+        self._tasks: dict[int, wire.ServerConnection] = {}
+        self._finished: set[int] = set()
+        self._tails: dict[int, collections.deque[str]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=TAIL_LINES))
+        self._recorded: list[dict[str, Any]] = []
         self._proofs: Path | None = None
+        self.address: tuple[str, int] | None = None
+        self.rejected = 0
+        self.received: list[dict[str, Any]] = []  # the files rank 0's task handed over
+        self.transport: str | None = None  # "copy" or "stream"
+        self.upload_seconds: float | None = None
+        self.upload_error: BaseException | None = None
 
+    # -- life ------------------------------------------------------------------------------------
     def start(self, host: str) -> tuple[str, int] | None:
         try:
             self._listener = wire.listen(host)
         except OSError as err:
-            log.info("Not listening for rank logs on %s (%s); logs will come back with the results", host, err)
+            log.info("Not listening for the barrier tasks on %s (%s); Spark's allGather coordinates them", host, err)
             return None
         self.address = (host, self._listener.getsockname()[1])
         wire.serve(self._listener, self._secret, self._serve, "hvdrunner-channel")
@@ -95,32 +128,105 @@ class Channel:
                 conn.sock.shutdown(socket.SHUT_RDWR)
             conn.close()
 
+    # -- what the driver says --------------------------------------------------------------------
+    def send_to(self, partition: int, msg: dict[str, Any]) -> None:
+        with self._lock:
+            conn = self._tasks.get(partition)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.send(msg)
+
+    def send_tasks(self, msg: dict[str, Any]) -> None:
+        """``msg`` to every barrier task (``stop``: end your ranks now; ``start``; ``release``)."""
+        with self._lock:
+            conns = list(self._tasks.values())
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.send(msg)
+
+    # -- what the driver reads -------------------------------------------------------------------
+    def tails(self) -> dict[int, list[str]]:
+        with self._lock:
+            return {rank: list(lines) for rank, lines in self._tails.items()}
+
+    def recorded(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._recorded)
+
+    def record(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self._recorded.append(event)
+
+    def lines(self, rank: int, lines: list[str], *, callback: bool = False) -> None:
+        with self._lock:
+            self._tails[rank].extend(lines)
+        self._output(rank, lines, callback=callback)
+
+    # -- serving ---------------------------------------------------------------------------------
+    def _emit(self, event: Event) -> None:
+        if not self._closed.is_set():
+            self._on_event(event)
+
     def _serve(self, conn: wire.ServerConnection) -> None:
         with self._lock:
             self._conns.add(conn)
+        partition: int | None = None
         try:
             while True:
                 msg = conn.recv()
-                if msg.get("t") in ("put", "fetch-resume"):
+                kind = msg.get("t")
+                if kind == names.MSG_HELLO:
+                    partition = int(msg["partition"])
                     with self._lock:
-                        self._transfers.add(conn)  # a file transfer: hung up on by close(), never sent a broadcast
-                    if msg["t"] == "put":
+                        self._tasks[partition] = conn
+                    self._emit(TaskStarted(partition, str(msg.get("executor"))))
+                elif kind in (names.MSG_PUT, names.MSG_FETCH_RESUME):
+                    # a transfer connection: never sent orders (only tasks' own connections are)
+                    if kind == names.MSG_PUT:
                         self._receive_artifacts(conn)
                     else:
                         self._send_resume(conn)
                 else:
-                    self.handle(msg)
+                    self._handle(msg)
         except wire.AuthenticationError:
             with self._lock:
                 self.rejected += 1
-            log.warning("Refused a connection to the rank log channel that was not signed with this run's secret")
-        except (ConnectionError, OSError, ValueError):
+            log.warning("Refused a connection to the driver's channel that was not signed with this run's secret")
+        except (ConnectionError, OSError, ValueError, KeyError, TypeError):
             pass
         finally:
             with self._lock:
                 self._conns.discard(conn)
-                self._transfers.discard(conn)
+                lost = partition is not None and self._tasks.get(partition) is conn and partition not in self._finished
+                if partition is not None and self._tasks.get(partition) is conn:
+                    del self._tasks[partition]
             conn.close()
+            if lost:
+                self._emit(TaskLost(partition))
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        kind = msg.get("t")
+        if kind == names.MSG_LOGS:
+            self.lines(int(msg["rank"]), msg["lines"], callback=bool(msg.get("callback")))
+        elif kind == names.MSG_FACTS:
+            self._emit(FactsReported(TaskFacts.from_json(msg["facts"])))
+        elif kind == names.MSG_READY:
+            self._emit(TaskReady(int(msg["partition"])))
+        elif kind == names.MSG_FINISHED:
+            partition = int(msg["partition"])
+            with self._lock:
+                self._finished.add(partition)
+            if msg.get("tails"):
+                with self._lock:
+                    for rank, lines in msg["tails"].items():
+                        if not self._tails.get(int(rank)):
+                            self._tails[int(rank)].extend(lines)
+            failure = Failure.from_json(msg["failure"]) if msg.get("failure") else None
+            self._emit(TaskFinished(partition, failure))
+        elif kind == names.MSG_ERROR:
+            self._emit(RankFailed(Failure.from_json(msg)))
+        elif kind == names.MSG_EVENT:
+            self.record({k: v for k, v in msg.items() if k != "t"})
 
     def _receive_artifacts(self, conn: wire.ServerConnection) -> None:
         """Rank 0's artifacts into the staging folder: copied here if its folder is on this host, else streamed."""
@@ -131,18 +237,22 @@ class Channel:
             conn.send({"mode": "none"})
             conn.send({"ok": False, "error": "this run collects no artifacts"})
             return
-        self.upload_started.set()
+        self._emit(UploadStarted())
         began = time.monotonic()
         try:
-            _mode, self.received = take_tree(conn, self._artifact_staging, allow_copy=self.same_host_copy,
+            _mode, self.received = take_tree(conn, self._artifact_staging, allow_copy=self._same_host_copy,
                                              cancelled=self._closed.is_set, chosen=self._chose)
             self.upload_seconds = time.monotonic() - began
         except OSError as err:  # the driver's disk: full, or the folder went away
             self.upload_error = err
+            self._emit(UploadFinished(error=str(err)))
             with contextlib.suppress(OSError):
                 conn.send({"ok": False, "error": str(err)})
             raise ConnectionError(str(err)) from err
-        self.upload_done.set()  # everything is in staging, whether or not the receipt reaches the task
+        except BaseException:
+            self._emit(UploadFinished(error="the transfer was cut off"))
+            raise
+        self._emit(UploadFinished())  # everything is in staging, whether or not the receipt reaches the task
         conn.send({"ok": True, "files": len(self.received)})
 
     def _chose(self, mode: str) -> None:
@@ -151,7 +261,7 @@ class Channel:
     def _send_resume(self, conn: wire.ServerConnection) -> None:
         from airflow_provider_horovod.runner.artifacts import offer_tree
 
-        proofs = self._proof_dir() if self.same_host_copy and self._resume_root is not None else None
+        proofs = self._proof_dir() if self._same_host_copy and self._resume_root is not None else None
         offer_tree(conn, self._resume_root, proofs)
 
     def _proof_dir(self) -> Path:
@@ -161,46 +271,10 @@ class Channel:
                 self._proofs = Path(tempfile.mkdtemp(prefix="hvdrunner-offers-"))
             return self._proofs
 
-    def broadcast(self, msg: dict[str, Any]) -> None:
-        """Send ``msg`` to every connected client (``{"t": "stop"}``: end your ranks now)."""
-        with self._lock:
-            conns = list(self._conns - self._transfers)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.send(msg)
-
-    def handle(self, msg: dict[str, Any]) -> None:
-        kind = msg.get("t")
-        if kind == "logs":
-            self.lines(int(msg["rank"]), msg["lines"], callback=bool(msg.get("callback")))
-        elif kind == "event":
-            with self._lock:
-                self.events.append(msg)
-            if msg.get("kind") == "task-started":
-                with self._lock:
-                    self.started.add(int(msg["partition"]))
-                    if self.expected_tasks and len(self.started) >= self.expected_tasks:
-                        self.started_event.set()
-        elif kind == "error":
-            self.error(msg)
-        if kind == "event" and msg.get("kind") == "task-done":
-            with self._lock:
-                self.done.add(int(msg["partition"]))
-
-    def lines(self, rank: int, lines: list[str], *, callback: bool = False) -> None:
-        with self._lock:
-            self.tails[rank].extend(lines)
-        if self._emit_logs or callback:
-            for line in lines:
-                rank_log.info("[rank %d] %s", rank, line)
-
-    def error(self, msg: dict[str, Any]) -> None:
-        with self._lock:
-            self.errors.append(msg)
-
 
 class ChannelClient:
-    """A non-blocking sender: ``send`` queues, a daemon thread writes. Never raises to its caller."""
+    """A task's or a rank's connection to the driver. ``send`` queues and a daemon thread writes
+    (it never raises); ``wait_for`` reads the driver's orders (plan, start, release)."""
 
     def __init__(
         self,
@@ -212,11 +286,14 @@ class ChannelClient:
         on_stop: Callable[[], None] | None = None,
     ) -> None:
         """``on_lost`` is called (from a daemon thread) if the driver hangs up before ``close()``:
-        the driver was cancelled or died, and whatever this client's process runs must stop."""
+        the driver was cancelled or died, and whatever this client's process runs must stop.
+        ``on_stop`` is called when the driver sends ``stop``."""
         self._closing = False
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=10000)
+        self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._conn: wire.ClientConnection | None = None
         self._thread: threading.Thread | None = None
+        self.stopped = threading.Event()
         if address is None:
             return
         try:
@@ -226,21 +303,40 @@ class ChannelClient:
             return
         self._thread = threading.Thread(target=self._loop, name="hvdrunner-channel-client", daemon=True)
         self._thread.start()
-        if on_lost is not None or on_stop is not None:
-            threading.Thread(target=self._watch, args=(self._conn, on_lost, on_stop), daemon=True).start()
+        threading.Thread(target=self._watch, args=(self._conn, on_lost, on_stop), daemon=True).start()
 
     def _watch(self, conn: wire.ClientConnection, on_lost, on_stop) -> None:
-        """The driver sends only ``stop``; a hang-up before ``close()`` means cancel (or a dead driver)."""
+        """Orders from the driver go to the inbox; a hang-up before ``close()`` means cancel (or a dead driver)."""
         with contextlib.suppress(Exception):
             while True:
-                if conn.recv().get("t") == "stop" and on_stop is not None:
-                    on_stop()
+                msg = conn.recv()
+                if msg.get("t") == names.MSG_STOP:
+                    self.stopped.set()
+                    if on_stop is not None:
+                        on_stop()
+                self._inbox.put(msg)
+        self._inbox.put(None)
         if not self._closing and on_lost is not None:
             on_lost()
 
     @property
     def connected(self) -> bool:
         return self._conn is not None
+
+    def wait_for(self, *kinds: str, timeout: float | None = None) -> dict[str, Any]:
+        """The next order of one of ``kinds`` (or ``stop``); ``ConnectionError`` if the driver hung up."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                msg = self._inbox.get(timeout=left)
+            except queue.Empty:
+                raise TimeoutError("no %s from the driver within %ss" % ("/".join(kinds), timeout)) from None
+            if msg is None:
+                self._inbox.put(None)
+                raise ConnectionError("the driver hung up")
+            if msg.get("t") in kinds or msg.get("t") == names.MSG_STOP:
+                return msg
 
     def send(self, msg: dict[str, Any]) -> None:
         if self._conn is None:
@@ -258,7 +354,7 @@ class ChannelClient:
     def flush(self, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
         while self._conn is not None and self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.005)
 
     def _loop(self) -> None:
         assert self._conn is not None

@@ -10,10 +10,8 @@ nothing but ``orted``, from an argv list, never through a shell.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -22,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from airflow_provider_horovod.runner import procs, wire
+from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.plan import Plan
 
-AGENT_HOSTS_ENV = "HVDRUNNER_EXEC_SERVICES"
-SECRET_ENV = "HVDRUNNER_SECRET"
+WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.worker"]
 
 
 def orted_argv(words: list[str]) -> list[str]:
@@ -74,9 +72,7 @@ class ExecService:
             conn.sock.settimeout(30)
             request = conn.recv()
             conn.sock.settimeout(None)
-            argv = list(request["argv"])
-            if argv[:1] != ["orted"]:
-                raise ValueError("refused to start %r" % argv[:1])
+            argv = orted_argv([str(w) for w in request["words"]])  # raises ValueError for anything but orted
             with self._lock:
                 if self._closed:
                     return
@@ -124,47 +120,15 @@ class ExecService:
                 procs.kill_tree(proc)
 
 
-def write_agent(directory: Path) -> Path:
-    """The executable that ``-mca plm_rsh_agent`` points at."""
-    path = directory / "hvdrunner-rsh"
-    path.write_text("#!%s\nfrom airflow_provider_horovod.runner.mpi import agent_main\nagent_main()\n" % sys.executable)
+def write_agent(task: TaskDir) -> Path:
+    """The executable that ``-mca plm_rsh_agent`` points at (``rsh.py``: it imports almost nothing)."""
+    path = task.agent
+    path.write_text("#!%s\nfrom airflow_provider_horovod.runner.rsh import main\nmain()\n" % sys.executable)
     path.chmod(0o700)
     return path
 
 
-def agent_main(argv: list[str] | None = None) -> None:
-    """``hvdrunner-rsh <host> orted <args...>``: start orted on <host> through its exec service."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2:
-        sys.stderr.write("usage: hvdrunner-rsh HOST COMMAND...\n")
-        sys.exit(2)
-    host, words = argv[0], argv[1:]
-    services = json.loads(os.environ[AGENT_HOSTS_ENV])
-    if host not in services:
-        sys.stderr.write("hvdrunner-rsh: no exec service for host %r (known: %s)\n" % (host, sorted(services)))
-        sys.exit(255)
-    addr, _, port = services[host].rpartition(":")
-    secret = bytes.fromhex(os.environ[SECRET_ENV])
-    conn = wire.connect((addr, int(port)), secret, timeout=30)
-    signal.signal(signal.SIGTERM, lambda *_: (conn.close(), os._exit(143)))
-    conn.send({"argv": orted_argv(words)})
-    code = 255
-    with contextlib.suppress(ConnectionError, OSError, ValueError):
-        conn.recv()  # {"started": pid}
-        code = int(conn.recv().get("exit", 255))
-    conn.close()
-    sys.exit(code if code >= 0 else 128 - code)
-
-
-def mpirun_argv(
-    plan: Plan | None,
-    worker: list[str],
-    *,
-    agent: Path | None,
-    iface: str,
-    np: int,
-    env_names: list[str],
-) -> list[str]:
+def mpirun_argv(plan: Plan | None, *, agent: Path | None = None, iface: str, np: int = 0) -> list[str]:
     """The ``mpirun`` command for ``plan`` (or for ``np`` local processes when ``plan`` is None)."""
     argv = ["mpirun"]
     if os.geteuid() == 0:
@@ -178,9 +142,7 @@ def mpirun_argv(
     argv += ["--leave-session-attached", "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "self,tcp,vader"]
     if iface:
         argv += ["-mca", "btl_tcp_if_include", iface, "-mca", "oob_tcp_if_include", iface]
-    for name in env_names:
-        argv += ["-x", name]
-    return argv + worker
+    return argv + WORKER
 
 
 def interface_for(address: str) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 
 from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
 
+from airflow_provider_horovod.runner import names
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskFacts:
@@ -60,6 +62,8 @@ class Slot:
     task_dir: str
     gpus: tuple[str, ...]
     iface: str
+    service_port: int = 0  # the exec service of this slot's task (mpirun)
+    rendezvous_port: int = 0  # Horovod's rendezvous server in this slot's task (Gloo, rank 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,22 +134,38 @@ def make_plan(facts: list[TaskFacts]) -> Plan:
                 task_dir=f.task_dir,
                 gpus=f.gpus,
                 iface=f.iface,
+                service_port=f.service_port,
+                rendezvous_port=f.rendezvous_port,
             )
         )
     return Plan(tuple(slots))
 
 
-def rank_env(slot: Slot) -> dict[str, str]:
-    """The ``HOROVOD_*`` contract of one rank (what ``horovodrun --gloo`` sets), plus its GPUs."""
+def rank_env(slot: Slot, launcher: str) -> dict[str, str]:
+    """The environment that tells a rank who it is, as ``horovodrun`` gives it under ``launcher``.
+
+    ``HVDRUNNER_*`` always (``runtime`` reads them); ``HOROVOD_RANK`` & co only under Gloo: under
+    mpirun, MPI itself says who is which rank, and Horovod code reads ``HOROVOD_RANK`` as "Gloo".
+    """
     env = {
-        "HOROVOD_HOSTNAME": slot.hostname,
-        "HOROVOD_RANK": str(slot.rank),
-        "HOROVOD_SIZE": str(slot.size),
-        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
-        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+        names.ENV_HOSTNAME: slot.hostname,
+        names.ENV_RANK: str(slot.rank),
+        names.ENV_SIZE: str(slot.size),
+        names.ENV_LOCAL_RANK: str(slot.local_rank),
+        names.ENV_LOCAL_SIZE: str(slot.local_size),
+        names.ENV_CROSS_RANK: str(slot.cross_rank),
+        names.ENV_CROSS_SIZE: str(slot.cross_size),
     }
+    if launcher == "gloo":
+        env.update({
+            "HOROVOD_HOSTNAME": slot.hostname,
+            "HOROVOD_RANK": str(slot.rank),
+            "HOROVOD_SIZE": str(slot.size),
+            "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+            "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+        })
     env.update(gpu_env(slot))
     return env
 

@@ -23,6 +23,7 @@ import psutil
 
 WATCH_INTERVAL_S = 0.5
 TERM_GRACE_S = 2.0
+STOP_GRACE_S = 1.0  # kill_all: a stop or cancel gives rank processes this long between TERM and KILL
 
 
 def alive(pid: int) -> bool:
@@ -34,6 +35,11 @@ def alive(pid: int) -> bool:
 
 
 _children: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
+_killed: set[int] = set()  # pids this process signalled: their end was ours, not their own
+
+
+def killed_by_us(pid: int) -> bool:
+    return pid in _killed
 
 
 def spawn(argv: Sequence[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
@@ -45,7 +51,7 @@ def spawn(argv: Sequence[str], env: dict[str, str], **kwargs) -> subprocess.Pope
     return proc
 
 
-def kill_all(grace_s: float = 1.0) -> None:
+def kill_all(grace_s: float = STOP_GRACE_S) -> None:
     """Kill every process tree this process started with ``spawn`` that is still running."""
     for proc in list(_children):
         if proc.poll() is None:
@@ -55,6 +61,7 @@ def kill_all(grace_s: float = 1.0) -> None:
 def kill_tree(proc: subprocess.Popen | int, grace_s: float = TERM_GRACE_S) -> None:
     """SIGTERM a process's group and all its descendants, then SIGKILL what is left."""
     pid = proc if isinstance(proc, int) else proc.pid
+    _killed.add(pid)
     procs: list[psutil.Process] = []
     with contextlib.suppress(psutil.Error):
         root = psutil.Process(pid)

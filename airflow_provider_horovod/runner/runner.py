@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import os
+import dataclasses
+import json
 import logging
+import os
 import platform
+import queue
+import re
 import signal
 import threading
 import time
@@ -17,21 +21,31 @@ from typing import Any
 import cloudpickle
 
 from airflow_provider_horovod.exceptions import ArtifactError, HorovodRunError, InsufficientSlotsError, RunCancelledError
-from airflow_provider_horovod.runner import procs, wire
-from airflow_provider_horovod.runner.barrier import RunSpec, TaskFailure, parse_failure, run_local, run_task
+from airflow_provider_horovod.runner import names, procs, wire
 from airflow_provider_horovod.runner.artifacts import check_writable, commit
-from airflow_provider_horovod.runner.channel import Channel
+from airflow_provider_horovod.runner.barrier import TaskFailure, check_facts, parse_failure, run_local, run_task
+from airflow_provider_horovod.runner.channel import Channel, RankOutput
+from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport
+from airflow_provider_horovod.runner.host import RunSpec
 from airflow_provider_horovod.runner.payload import build_payload, describe
+from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
+from airflow_provider_horovod.runner.supervisor import (
+    Action,
+    CutOff,
+    PlanError,
+    Release,
+    SendPlan,
+    SendStart,
+    Stop,
+    Supervisor,
+)
+from airflow_provider_horovod.runner.supervisor import Deadlines
 
 log = logging.getLogger(__name__)
 
 LAUNCHERS = ("mpirun", "gloo")
 VERBOSITIES = ("all", "log_callback_only")
 RESULT_SCHEMA = "partition int, kind string, seq int, data binary"
-STOP_GRACE_S = 20.0  # after asking the tasks to stop their ranks, how long before cutting them off
-CANCEL_GRACE_S = 5.0  # the same, when the user cancelled: every process must be gone within 10 s
-ARTIFACT_GRACE_S = 60.0  # how long rank 0's task gets to send its artifacts after the job ended
-CANCEL_ARTIFACT_GRACE_S = 3.0
 
 
 def _task_fn(spec: RunSpec) -> Callable:
@@ -48,17 +62,37 @@ def _task_fn(spec: RunSpec) -> Callable:
     return task
 
 
+def _in_thread(name: str, work: Callable[[], Any], events: queue.Queue) -> threading.Thread:
+    """Run ``work`` in a daemon thread; its end (value or error) becomes a ``JobEnded`` event."""
+
+    def target() -> None:
+        try:
+            value = work()
+        except BaseException as err:  # noqa: BLE001 - the supervisor decides what it means
+            events.put(JobEnded(error=err))
+        else:
+            events.put(JobEnded(value=value))
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 class HorovodRunner:
     """Run a training function as a Horovod job, in one barrier-mode Spark stage.
 
     :param np: ``np > 0``: that many barrier tasks, one rank each. ``np < 0``: ``-np`` rank
         processes on the driver, with no Spark job (to try the training function first).
     :param launcher: ``"mpirun"`` (the default, as in the original HorovodRunner) or ``"gloo"``.
-    :param driver_log_verbosity: ``"all"`` streams every rank's output into the driver's log;
-        ``"log_callback_only"`` streams only ``runtime.log_to_driver`` messages.
+    :param driver_log_verbosity: ``"all"`` streams every rank's output to the driver;
+        ``"log_callback_only"`` streams only ``runtime.log_to_driver`` messages. The lines go to the
+        ``airflow_provider_horovod.ranks`` logger when logging is configured, else to stdout.
     :param spark: the SparkSession to use; else the active one; else ``getOrCreate()``.
     :param env: extra environment variables for every rank process.
     :param start_timeout: seconds to wait for enough barrier slots and for all tasks to start.
+    :param timeline: record a Horovod timeline on rank 0 and bring it back (needs ``artifact_dir``).
+    :param artifact_dir: a local folder to commit rank 0's checkpoints and timeline into.
+    :param resume_from: a checkpoint folder every rank sees as ``runtime.resume_dir()``.
     """
 
     def __init__(
@@ -86,77 +120,91 @@ class HorovodRunner:
         bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
             raise ValueError("env must map str to str; fix %s" % ", ".join(map(repr, bad)))
-        if start_timeout <= 0:
-            raise ValueError("start_timeout must be positive; got %r" % (start_timeout,))
         if resume_from is not None and not Path(resume_from).is_dir():
             raise ValueError("resume_from must be an existing folder; %s is not" % (resume_from,))
         self.np = np
         self.launcher = launcher
         self.driver_log_verbosity = driver_log_verbosity
         self.env = env
-        self.start_timeout = float(start_timeout)
+        self.deadlines = Deadlines(start_s=float(start_timeout))
+        self.start_timeout = self.deadlines.start_s
         self.timeline = bool(timeline)
         self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else None
         self.resume_from = Path(resume_from).resolve() if resume_from is not None else None
         self._spark = spark
         self._cancelled = threading.Event()
-        self.last_run: dict[str, Any] = {}
+        self._events: queue.Queue | None = None
+        self.last_run = RunReport(run_id="", np=np, launcher=launcher, status="not started")
 
     # -- public ---------------------------------------------------------------------------------
     def run(self, main: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
         """Run ``main(*args, **kwargs)`` on every rank and return rank 0's return value."""
         payload = build_payload(main, args, kwargs)
-        artifact_dir = self._artifact_dir()
+        artifact_dir = self.artifact_dir and check_writable(self.artifact_dir)
         if self.timeline and artifact_dir is None:
             raise ValueError("timeline=True needs an artifact_dir to bring the timeline back to")
         self._cancelled.clear()
         run_id = uuid.uuid4().hex[:12]
-        secret = wire.new_secret()
         started = time.monotonic()
-        self.last_run = {"run_id": run_id, "np": self.np, "launcher": self.launcher, "events": [], "result": None,
-                         "artifact_dir": str(artifact_dir) if artifact_dir else None, "timeline_path": None,
-                         "checkpoint_path": None, "spark_ui_url": None, "status": "running"}
+        report = self.last_run = RunReport(run_id=run_id, np=self.np, launcher=self.launcher,
+                                           artifact_dir=str(artifact_dir) if artifact_dir else None)
         log.info("Starting Horovod job %s: %s on %d %s with %s", run_id, describe(main), abs(self.np),
                  "barrier tasks" if self.np > 0 else "local processes", self.launcher)
         staging = artifact_dir / (".incoming-%s" % run_id) if artifact_dir else None
-        channel = Channel(secret, emit_logs=self.driver_log_verbosity == "all", artifact_staging=staging,
-                          resume_root=self.resume_from)
+        events: queue.Queue = queue.Queue()
+        self._events = events
+        if self._cancelled.is_set():
+            events.put(CancelRequested())
+        secret = wire.new_secret()
+        channel = Channel(secret, on_event=events.put, artifact_staging=staging, resume_root=self.resume_from,
+                          output=RankOutput(stream_all=self.driver_log_verbosity == "all"))
+        sup: Supervisor | None = None
         result = None
-        status = "failed"
         try:
             with self._signals():
                 try:
-                    if self.np < 0:
-                        channel.start("127.0.0.1")
-                        result = self._run_local(self._spec(run_id, secret, payload, channel.address), channel)
-                    else:
-                        result = self._run_spark(run_id, secret, payload, channel)
-                    status = "success"
+                    run = self._run_local if self.np < 0 else self._run_spark
+                    sup = run(self._spec(run_id, secret, payload, None), channel, events)
+                    result = self._outcome(sup, channel)
+                    report.status = "success"
                 except RunCancelledError:
-                    status = "cancelled"
+                    report.status = "cancelled"
+                    raise
+                except BaseException:
+                    report.status = "failed"
                     raise
                 finally:
                     channel.close()
-                    self.last_run["events"] = list(channel.events)
-                    self.last_run["rejected_connections"] = channel.rejected
-                    self.last_run["duration_s"] = round(time.monotonic() - started, 3)
-                    self.last_run["status"] = status
+                    self._events = None
+                    report.events = channel.recorded()
+                    report.rejected_connections = channel.rejected
+                    report.duration_s = round(time.monotonic() - started, 3)
+                    report.phases = dict(sup.marks) if sup is not None else {}
         finally:
             if artifact_dir is not None and staging is not None:
-                self._commit(artifact_dir, staging, channel, status, run_id, result)
-        self.last_run["result"] = result
+                upload = sup.upload if sup is not None else "none"
+                self._commit(artifact_dir, staging, channel, upload, report, result)
+        report.result = result
         return result
 
     def cancel(self) -> None:
         """Interrupt the running job from any thread; every rank process goes with it."""
         self._cancelled.set()
+        events = self._events
+        if events is not None:
+            events.put(CancelRequested())
+
+    def session(self) -> Any:
+        """The SparkSession this runner uses: the one given, else the active one, else a new one
+        (with Spark's console progress bar off, so it never cuts through the ranks' lines)."""
+        if self._spark is not None:
+            return self._spark
+        from pyspark.sql import SparkSession
+
+        return SparkSession.getActiveSession() or \
+            SparkSession.builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
 
     # -- phases ---------------------------------------------------------------------------------
-    def _artifact_dir(self) -> Path | None:
-        if self.artifact_dir is None:
-            return None
-        return check_writable(self.artifact_dir)
-
     def _spec(self, run_id: str, secret: bytes, payload: bytes, channel: tuple[str, int] | None) -> RunSpec:
         return RunSpec(
             run_id=run_id,
@@ -173,35 +221,22 @@ class HorovodRunner:
             resume_local=str(self.resume_from) if (self.resume_from is not None and self.np < 0) else None,
         )
 
-    def _run_local(self, spec: RunSpec, channel: Channel) -> Any:
-        box: dict[str, Any] = {}
+    def _run_local(self, spec: RunSpec, channel: Channel, events: queue.Queue) -> Supervisor:
+        spec = dataclasses.replace(spec, channel=channel.start("127.0.0.1"))
+        self.last_run.coordination = "local"
+        sup = Supervisor(0, coordinated=False, planner=make_plan, deadlines=self.deadlines, now=time.monotonic())
+        _in_thread("hvdrunner-local", lambda: run_local(spec, -self.np), events)
 
-        def target() -> None:
-            try:
-                box["data"] = run_local(spec, -self.np)
-            except BaseException as err:  # noqa: BLE001
-                box["error"] = err
+        def act(action: Action) -> None:
+            if isinstance(action, (Stop, CutOff)):
+                procs.kill_all()  # the ranks (or mpirun) this process started; rank 0's folder still goes up
+            if isinstance(action, CutOff):
+                channel.close()
 
-        thread = threading.Thread(target=target, name="hvdrunner-local", daemon=True)
-        thread.start()
-        reason = self._supervise(thread, channel, stop=procs.kill_all, hard_cancel=procs.kill_all)
-        self._raise_for(reason, channel)
-        if "error" in box:
-            err = box["error"]
-            if isinstance(err, TaskFailure):
-                raise self._error(err.report, channel) from None
-            raise err
-        return cloudpickle.loads(box["data"])
+        self._supervise(sup, events, act)
+        return sup
 
-    def session(self) -> Any:
-        """The SparkSession this runner uses: the one given, else the active one, else a new one."""
-        if self._spark is not None:
-            return self._spark
-        from pyspark.sql import SparkSession
-
-        return SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
-
-    def _run_spark(self, run_id: str, secret: bytes, payload: bytes, channel: Channel) -> Any:
+    def _run_spark(self, spec: RunSpec, channel: Channel, events: queue.Queue) -> Supervisor:
         spark = self.session()
         self._check_conf(spark)
         self._wait_for_slots(spark)
@@ -209,121 +244,119 @@ class HorovodRunner:
         if address is None and self.resume_from is not None:
             raise HorovodRunError("resume_from needs the executors to reach the driver, and this driver cannot listen "
                                   "for them. Put the checkpoint where the training function can read it instead.")
-        channel.expected_tasks = self.np
-        spec = self._spec(run_id, secret, payload, address)
-        tag = "hvdrunner-%s" % run_id
-        self.last_run["spark_ui_url"] = self._ui_url(spark)
-        self.last_run["job_tag"] = tag
+        spec = dataclasses.replace(spec, channel=address)
+        tag = "hvdrunner-%s" % spec.run_id
+        report = self.last_run
+        report.spark_ui_url, report.job_tag = self._ui_url(spark), tag
+        report.coordination = "channel" if address is not None else "spark"
         df = spark.range(self.np, numPartitions=self.np).mapInArrow(_task_fn(spec), RESULT_SCHEMA, barrier=True)
-        box: dict[str, Any] = {}
 
-        def target() -> None:
+        def collect() -> list[Any]:
             spark.addTag(tag)
             try:
-                box["rows"] = df.collect()
-            except BaseException as err:  # noqa: BLE001
-                box["error"] = err
+                return df.collect()
             finally:
                 with contextlib.suppress(Exception):
                     spark.removeTag(tag)
 
-        thread = threading.Thread(target=target, name="hvdrunner-job-%s" % run_id, daemon=True)
-        thread.start()
+        def planner(facts: list[TaskFacts]) -> Plan:
+            failure = check_facts(spec.driver_python, facts)
+            if failure is not None:
+                raise PlanError(failure)
+            return make_plan(facts)
 
-        def hard_cancel() -> None:
-            channel.close()  # tasks take the hang-up as cancel and stop at once
+        sup = Supervisor(self.np, coordinated=address is not None, planner=planner, deadlines=self.deadlines,
+                         now=time.monotonic())
+        _in_thread("hvdrunner-job-%s" % spec.run_id, collect, events)
+
+        def act(action: Action) -> None:
+            if isinstance(action, SendPlan):
+                channel.record({"kind": "plan", "slots": slot_summary(action.plan)})
+                channel.send_tasks({"t": names.MSG_PLAN, "plan": action.plan.to_json()})
+            elif isinstance(action, SendStart):
+                channel.send_tasks({"t": names.MSG_START})
+            elif isinstance(action, Release):
+                channel.send_tasks({"t": names.MSG_RELEASE})
+            elif isinstance(action, Stop):
+                channel.send_tasks({"t": names.MSG_STOP})
+            elif isinstance(action, CutOff):
+                log.info("The barrier tasks did not end after the stop request (%s); cutting them off", sup.reason)
+                channel.close()  # tasks take the hang-up as cancel and stop at once
+                with contextlib.suppress(Exception):
+                    spark.interruptTag(tag)
+
+        self._supervise(sup, events, act)
+        if sup.job_ended is None:
             with contextlib.suppress(Exception):
                 spark.interruptTag(tag)
+        return sup
 
-        reason = self._supervise(thread, channel, stop=lambda: channel.broadcast({"t": "stop"}),
-                                 hard_cancel=hard_cancel, started_by=address is not None)
-        if self.artifact_dir is not None and address is not None and 0 not in channel.done:
-            # Rank 0's task sends its artifacts before it ends, after a failure too: give it time.
-            channel.broadcast({"t": "stop"})
-            grace = CANCEL_ARTIFACT_GRACE_S if reason == "cancel" else ARTIFACT_GRACE_S
-            deadline = time.monotonic() + grace
-            log.info("Waiting up to %ss for rank 0's artifacts", grace)
-            while 0 not in channel.done and time.monotonic() < deadline:
-                time.sleep(0.05)
-        hard_cancel()  # whatever is still running ends now
-        self._raise_for(reason, channel)
-        if "error" in box:
-            raise self._spark_error(box["error"], channel) from None
-        return self._collect(box["rows"], channel)
+    def _supervise(self, sup: Supervisor, events: queue.Queue, act: Callable[[Action], None]) -> None:
+        """Feed the supervisor every event and the passing time; carry out what it decides."""
+        while not sup.done:
+            try:
+                try:
+                    event = events.get(timeout=sup.next_wakeup(time.monotonic()))
+                except queue.Empty:
+                    event = None
+                actions = sup.handle(event, time.monotonic()) if event is not None else []
+                actions += sup.tick(time.monotonic())
+                for action in actions:
+                    act(action)
+            except KeyboardInterrupt:
+                self._cancelled.set()
+                events.put(CancelRequested())
 
-    def _supervise(self, thread: threading.Thread, channel: Channel, *, stop: Callable[[], Any],
-                   hard_cancel: Callable[[], Any], started_by: bool = False) -> str | None:
-        """Wait for the job thread. On a rank error, cancellation or a slow start, ask the tasks to
-        stop their ranks (rank 0's task still sends its artifacts); if they do not end within
-        ``STOP_GRACE_S``, cut them off. Returns why it stopped the job, or None."""
-        deadline = time.monotonic() + self.start_timeout
-        reason: str | None = None
-        stop_sent = 0.0
-        try:
-            while thread.is_alive():
-                thread.join(0.1)
-                if reason is None:
-                    if self._cancelled.is_set():
-                        reason = "cancel"
-                    elif channel.errors:
-                        reason = "error"
-                    elif started_by and not channel.started_event.is_set() and time.monotonic() > deadline:
-                        reason = "timeout"
-                    if reason is not None:
-                        stop()
-                        stop_sent = time.monotonic()
-                elif time.monotonic() - stop_sent > (CANCEL_GRACE_S if reason == "cancel" else STOP_GRACE_S):
-                    if (reason != "cancel" and channel.upload_started.is_set() and not channel.upload_done.is_set()
-                            and time.monotonic() - stop_sent < ARTIFACT_GRACE_S):
-                        continue  # rank 0's artifacts are on their way: do not cut them off
-                    log.info("The barrier tasks did not end after the stop request (%s); cutting them off", reason)
-                    hard_cancel()
-                    thread.join(30)
-        except KeyboardInterrupt:
-            self._cancelled.set()
-            reason = "cancel"
-            stop()
-            thread.join(CANCEL_GRACE_S)
-            hard_cancel()
-            thread.join(30)
-        return reason
-
-    def _raise_for(self, reason: str | None, channel: Channel) -> None:
-        if reason == "cancel" or self._cancelled.is_set():
-            raise RunCancelledError("The Horovod job was cancelled; the Spark job was interrupted.")
-        if reason == "timeout":
+    # -- the verdict ------------------------------------------------------------------------------
+    def _outcome(self, sup: Supervisor, channel: Channel) -> Any:
+        """Rank 0's return value, or the error that says what happened."""
+        if sup.reason == "cancel" or self._cancelled.is_set():
+            raise RunCancelledError("The Horovod job was cancelled; every rank was stopped.")
+        if sup.reason == "timeout":
             raise InsufficientSlotsError(
                 "Only %d of %d barrier tasks started within start_timeout=%ss. The cluster has %s; "
-                "lower np or add executors." % (len(channel.started), self.np, self.start_timeout, self._slots_text())
+                "lower np or add executors." % (len(sup.started), self.np, self.start_timeout, self._slots_text())
             )
-        if reason == "error" and channel.errors:
-            raise self._error(channel.errors[0], channel)
+        if sup.cause is not None:
+            raise self._error(sup.cause, channel)
+        job = sup.job_ended
+        if job is None:
+            raise HorovodRunError("The Spark job did not return after it was cut off; see the Spark UI.")
+        if job.error is not None:
+            if isinstance(job.error, TaskFailure):
+                raise self._error(job.error.failure, channel) from None
+            raise self._spark_error(job.error, channel) from None
+        if self.np < 0:
+            return cloudpickle.loads(job.value)
+        return self._collect(job.value, channel)
 
-    def _commit(self, artifact_dir: Path, staging: Path, channel: Channel, status: str, run_id: str, result: Any) -> None:
-        complete = channel.upload_done.is_set() and channel.upload_error is None
-        if not channel.upload_started.is_set() and status == "success":
+    def _commit(self, artifact_dir: Path, staging: Path, channel: Channel, upload: str, report: RunReport,
+                result: Any) -> None:
+        """The engine's one commit point: what rank 0 handed over goes into ``artifact_dir``, marker last."""
+        complete = upload == "done" and channel.upload_error is None
+        if upload == "none" and report.status == "success":
             complete = True  # nothing to send (no checkpoint, no timeline): an empty, complete run
             staging.mkdir(parents=True, exist_ok=True)
         try:
-            info = commit(artifact_dir, staging, status=status, complete=complete, run_id=run_id,
+            info = commit(artifact_dir, staging, status=report.status, complete=complete, run_id=report.run_id,
                           received=channel.received, extra={"np": self.np, "launcher": self.launcher})
         except OSError as err:
             raise ArtifactError("Cannot commit artifacts to %s (%s)." % (artifact_dir, err), result=result) from err
-        if channel.upload_error is not None and status == "success":
+        if channel.upload_error is not None and report.status == "success":
             raise ArtifactError("Rank 0's artifacts could not be written to %s (%s); the run itself succeeded."
                                 % (artifact_dir, channel.upload_error), result=result)
-        log.info("Artifacts of run %s (%s, %s): %d files in %s", run_id, status,
+        log.info("Artifacts of run %s (%s, %s): %d files in %s", report.run_id, report.status,
                  "complete" if info["complete"] else "INCOMPLETE", len(info["files"]), artifact_dir)
-        self.last_run["artifacts"] = info
-        self.last_run["artifact_transfer_s"] = channel.upload_seconds
-        self.last_run["artifact_transport"] = channel.transport  # "copy" (same host), "stream", or None
-        self.last_run["artifact_bytes"] = sum(f["size"] for f in channel.received)
+        report.artifacts = info
+        report.artifact_transfer_s = channel.upload_seconds
+        report.artifact_transport = channel.transport
+        report.artifact_bytes = sum(f["size"] for f in channel.received)
         if info.get("timeline"):
-            self.last_run["timeline_path"] = str(artifact_dir / info["timeline"])
-            self.last_run["timeline_summary_path"] = str(artifact_dir / info["timeline_summary"])
-            self.last_run["timeline_picture_path"] = str(artifact_dir / info["timeline_picture"])
+            report.timeline_path = str(artifact_dir / info["timeline"])
+            report.timeline_summary_path = str(artifact_dir / info["timeline_summary"])
+            report.timeline_picture_path = str(artifact_dir / info["timeline_picture"])
         if info.get("checkpoint"):
-            self.last_run["checkpoint_path"] = str(artifact_dir / info["checkpoint"])
+            report.checkpoint_path = str(artifact_dir / info["checkpoint"])
 
     # -- checks ---------------------------------------------------------------------------------
     def _check_conf(self, spark: Any) -> None:
@@ -388,8 +421,6 @@ class HorovodRunner:
         for row in rows:
             chunks.setdefault(row["kind"], []).append((row["partition"], row["seq"], bytes(row["data"])))
         for _, _, data in sorted(chunks.get("logs", [])):
-            import json
-
             for rank, lines in json.loads(data).items():
                 channel.lines(int(rank), lines)
         result = b"".join(data for _, _, data in sorted(chunks.get("result", [])))
@@ -397,29 +428,31 @@ class HorovodRunner:
             raise HorovodRunError("Rank 0 finished but its return value did not come back.")
         return cloudpickle.loads(result)
 
-    def _error(self, report: dict[str, Any], channel: Channel) -> HorovodRunError:
-        rank = report.get("rank")
-        host = report.get("host")
-        where = "Rank %s on host %s (executor %s)" % (rank, host, report.get("executor")) if rank is not None else "The job"
-        message = report.get("message") or "%s failed: %s" % (where, report.get("exception", "unknown error"))
-        tails = {int(k): list(v) for k, v in channel.tails.items()}
-        if rank is not None and report.get("tail"):
-            tails[int(rank)] = list(report["tail"])
-        self.last_run["error"] = report
-        return HorovodRunError(message, rank=rank, host=host, remote_traceback=report.get("traceback") or None, log_tail=tails)
+    def _error(self, failure: Failure, channel: Channel) -> HorovodRunError:
+        """The user's error for ``failure``: who, how it ended, its last lines, then the launcher's words."""
+        tails = channel.tails()
+        if failure.rank is not None:
+            failure = failure.with_tail(tails.get(failure.rank, []))
+            tails[failure.rank] = list(failure.tail)
+        self.last_run.error = failure.to_json()
+        message = failure.message
+        if failure.exit and failure.exit not in message:
+            message += " (the process %s)" % failure.exit
+        if not failure.traceback and failure.tail:
+            message += "\n\nLast %d lines of rank %s:\n%s" % (len(failure.tail), failure.rank, "\n".join(failure.tail))
+        if failure.launcher_output:
+            message += "\n\n%s said:\n%s" % (self.launcher, "\n".join(failure.launcher_output[-40:]))
+        return HorovodRunError(message, rank=failure.rank, host=failure.host, remote_traceback=failure.traceback or None,
+                               log_tail=tails)
 
     def _spark_error(self, err: BaseException, channel: Channel) -> HorovodRunError:
         if self._cancelled.is_set():
             return RunCancelledError("The Horovod job was cancelled; the Spark job was interrupted.")
-        if channel.errors:
-            return self._error(channel.errors[0], channel)
         text = str(err)
-        report = parse_failure(text)
-        if report is not None:
-            return self._error(report, channel)
+        failure = parse_failure(text)
+        if failure is not None:
+            return self._error(failure, channel)
         if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
-            import re
-
             found = re.search(r"different version \(?([\d, .]+)\)? than that in driver ([\d.]+)", text)
             executor = found.group(1).replace(", ", ".").strip() if found else "another version"
             return HorovodRunError(

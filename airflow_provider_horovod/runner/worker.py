@@ -18,16 +18,16 @@ import time
 import traceback
 from pathlib import Path
 
-ERROR_FILE = "rank-%d.error.json"
-RESULT_FILE = "result.pkl"
 FLUSH_INTERVAL_S = 0.2
 
 
 def _rank() -> int:
-    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+    from airflow_provider_horovod.runner.names import ENV_RANK
+
+    for name in (ENV_RANK, "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
         if os.environ.get(name):
             return int(os.environ[name])
-    raise RuntimeError("the rank process was started without HOROVOD_RANK or OMPI_COMM_WORLD_RANK")
+    raise RuntimeError("the rank process was started without %s or OMPI_COMM_WORLD_RANK" % ENV_RANK)
 
 
 class OutputPump:
@@ -42,6 +42,7 @@ class OutputPump:
         self._lock = threading.Lock()
         read_fd, write_fd = os.pipe()
         self._out = os.dup(1)
+        self._err = os.dup(2)
         # Under mpirun, fd 1 goes to orted; keep a copy next to the task too, for the result rows
         # when the driver cannot be reached. (Gloo ranks' fd 1 is that file already.)
         self._copy = os.open(copy_to, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if copy_to else None
@@ -98,10 +99,14 @@ class OutputPump:
             self._flush()
 
     def close(self) -> None:
-        """Drain what was printed so far (bounded wait) and send it."""
+        """Drain what was printed so far (bounded wait) and send it; what the interpreter prints
+        while it shuts down (a crash in a destructor, MPI's last words) goes straight to the
+        original stdout/stderr, never into a pipe nobody reads any more."""
         sys.stdout.flush()
         sys.stderr.flush()
-        time.sleep(0.05)
+        os.dup2(self._out, 1)
+        os.dup2(self._err, 2)
+        self._reader.join(1.0)
         self._flush()
 
 
@@ -115,69 +120,81 @@ def _die(_pid: int) -> None:
     os._exit(137)
 
 
-def main() -> int:
+def _setup(rank: int):
+    """Find this rank's slot, arm the watchdog, connect to the driver, capture the output."""
     from airflow_provider_horovod import runtime
+    from airflow_provider_horovod.runner import names
     from airflow_provider_horovod.runner.channel import ChannelClient
-    from airflow_provider_horovod.runner.payload import load_payload
     from airflow_provider_horovod.runner.plan import Plan, rank_env
     from airflow_provider_horovod.runner.procs import start_watchdog
 
-    rank = _rank()
-    plan = Plan.from_json(Path(os.environ["HVDRUNNER_PLAN"]).read_text())
+    plan = Plan.from_json(Path(os.environ[names.ENV_PLAN]).read_text())
     slot = plan.slots[rank]
     start_watchdog([slot.task_pid], _die)
-
-    secret = bytes.fromhex(os.environ.pop("HVDRUNNER_SECRET", ""))
-    channel = os.environ.get("HVDRUNNER_CHANNEL", "")
-    address = None
-    if channel:
-        host, _, port = channel.rpartition(":")
-        address = (host, int(port))
-    client = ChannelClient(address, secret)
+    secret = bytes.fromhex(os.environ.pop(names.ENV_SECRET, ""))
+    host, _, port = os.environ.get(names.ENV_CHANNEL, "").rpartition(":")
+    client = ChannelClient((host, int(port)) if port else None, secret)
     runtime._client = client
+    task = names.TaskDir(slot.task_dir)
     under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
-    pump = OutputPump(rank, client, stream=os.environ.get("HVDRUNNER_VERBOSITY", "all") == "all",
-                      copy_to=Path(slot.task_dir) / ("rank-%d.log" % rank) if under_mpirun else None)
-
-    os.environ.update(rank_env(slot))
-    os.environ["HVDRUNNER_TASK_DIR"] = slot.task_dir
-    if os.environ.get("HVDRUNNER_HAS_RESUME") == "1":
+    # Under mpirun, fd 1 goes to orted; keep a copy next to the task for the failure report and
+    # for the result rows when the driver cannot be reached. (A Gloo rank's fd 1 is that file.)
+    pump = OutputPump(rank, client, stream=os.environ.get(names.ENV_VERBOSITY, "all") == "all",
+                      copy_to=task.rank_log(rank) if under_mpirun else None)
+    os.environ.update(rank_env(slot, os.environ.get(names.ENV_LAUNCHER, "gloo")))
+    os.environ[names.ENV_TASK_DIR] = slot.task_dir
+    if os.environ.get(names.ENV_HAS_RESUME) == "1":
         # one copy per host, fetched by the host's first task
-        os.environ["HVDRUNNER_RESUME_DIR"] = str(Path(plan.host_leader(slot.hostname).task_dir) / "resume")
-    if os.environ.get("HVDRUNNER_TIMELINE") == "1":
-        # Every rank must have it set or Horovod's ranks disagree and hang; only rank 0 writes,
-        # and only rank 0's folder comes back.
-        folder = Path(slot.task_dir) / ("artifacts" if rank == 0 else "scratch-rank-%d" % rank)
+        os.environ[names.ENV_RESUME_DIR] = str(names.TaskDir(plan.host_leader(slot.hostname).task_dir).resume)
+    if os.environ.get(names.ENV_TIMELINE) == "1":
+        # Every rank must have it set or Horovod's ranks disagree and hang; only rank 0 writes
+        # into the folder that comes back.
+        folder = task.rank_folder(rank)
         folder.mkdir(parents=True, exist_ok=True)
-        os.environ["HOROVOD_TIMELINE"] = str(folder / "timeline.json")
-    task_dir = Path(slot.task_dir)
+        os.environ["HOROVOD_TIMELINE"] = str(folder / names.TIMELINE_FILE)
+    return slot, task, client, pump
+
+
+def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
+    """Write and send this rank's failure: its exception, traceback and last lines."""
+    from airflow_provider_horovod.runner.events import Failure
+    from airflow_provider_horovod.runner.names import MSG_ERROR
+
+    text = traceback.format_exc()
+    sys.stderr.write(text)
+    exception = "%s: %s" % (type(err).__name__, err)
+    where = "Rank %d on host %s (executor %s)" % (rank, slot.hostname, slot.executor) if slot else "Rank %d" % rank
+    if pump is not None:
+        pump.close()
+    failure = Failure(message="%s failed: %s" % (where, exception), rank=rank, host=getattr(slot, "hostname", None),
+                      executor=getattr(slot, "executor", None), exception=exception, traceback=text,
+                      tail=tuple(pump.tail) if pump is not None else ())
+    if task is not None:
+        with contextlib.suppress(OSError):
+            task.error(rank).write_text(json.dumps(failure.to_json()))
+    if client is not None:
+        client.send_now({"t": MSG_ERROR, **failure.to_json()})
+        client.close()
+
+
+def main() -> int:
+    rank = _rank()
+    slot = task = client = pump = None
     try:
-        fn, args, kwargs = load_payload(Path(os.environ["HVDRUNNER_PAYLOAD"]).read_bytes())
+        slot, task, client, pump = _setup(rank)
+        from airflow_provider_horovod.runner.names import ENV_PAYLOAD
+        from airflow_provider_horovod.runner.payload import load_payload
+
+        fn, args, kwargs = load_payload(Path(os.environ[ENV_PAYLOAD]).read_bytes())
         result = fn(*args, **kwargs)
         if rank == 0:
             import cloudpickle
 
-            tmp = task_dir / (RESULT_FILE + ".tmp")
+            tmp = task.result.with_name(task.result.name + ".tmp")
             tmp.write_bytes(cloudpickle.dumps(result))
-            os.replace(tmp, task_dir / RESULT_FILE)
+            os.replace(tmp, task.result)
     except BaseException as err:  # noqa: BLE001 - every failure must reach the driver
-        text = traceback.format_exc()
-        sys.stderr.write(text)
-        pump.close()
-        report = {
-            "t": "error",
-            "rank": rank,
-            "host": slot.hostname,
-            "executor": slot.executor,
-            "exception": "%s: %s" % (type(err).__name__, err),
-            "traceback": text,
-            "tail": list(pump.tail),
-            "time": time.time(),
-        }
-        with contextlib.suppress(OSError):
-            (task_dir / (ERROR_FILE % rank)).write_text(json.dumps(report))
-        client.send_now(report)
-        client.close()
+        _report(rank, slot, task, client, pump, err)
         os._exit(1)
     pump.close()
     client.close()

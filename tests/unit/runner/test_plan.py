@@ -26,14 +26,22 @@ def test_local_and_cross_ranks_match_horovod_for_uneven_hosts():
     assert layout == [(0, 0, 3, 0, 2), (1, 1, 3, 0, 1), (2, 2, 3, 0, 1), (3, 0, 1, 1, 2)]
 
 
-def test_rank_env_carries_the_horovod_contract_and_exactly_the_tasks_gpus():
+def test_rank_env_under_gloo_carries_the_horovod_contract_and_exactly_the_tasks_gpus():
     plan = make_plan([facts(0, "a:1", gpus=("3",)), facts(1, "b:1", gpus=("0", "1"))])
-    env0, env1 = rank_env(plan.slots[0]), rank_env(plan.slots[1])
+    env0, env1 = rank_env(plan.slots[0], "gloo"), rank_env(plan.slots[1], "gloo")
     assert env0["HOROVOD_RANK"] == "0" and env1["HOROVOD_RANK"] == "1"
     assert env0["HOROVOD_SIZE"] == env1["HOROVOD_SIZE"] == "2"
     assert env1["HOROVOD_CROSS_RANK"] == "1" and env1["HOROVOD_HOSTNAME"] == "hvdhost1"
     assert env0["CUDA_VISIBLE_DEVICES"] == "3" and env1["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert "CUDA_VISIBLE_DEVICES" not in rank_env(make_plan([facts(0, "a:1")]).slots[0])
+    assert "CUDA_VISIBLE_DEVICES" not in rank_env(make_plan([facts(0, "a:1")]).slots[0], "gloo")
+
+
+def test_rank_env_under_mpirun_leaves_the_ranks_to_mpi_as_horovodrun_does():
+    plan = make_plan([facts(0, "a:1", gpus=("3",)), facts(1, "b:1")])
+    env0, env1 = rank_env(plan.slots[0], "mpirun"), rank_env(plan.slots[1], "mpirun")
+    assert not [k for k in {**env0, **env1} if k.startswith("HOROVOD_")]
+    assert env1["HVDRUNNER_RANK"] == "1" and env1["HVDRUNNER_CROSS_RANK"] == "1"  # for runtime.rank() & co
+    assert env0["CUDA_VISIBLE_DEVICES"] == "3" and "CUDA_VISIBLE_DEVICES" not in env1
 
 
 def test_gloo_env_points_at_the_rendezvous_server():

@@ -12,6 +12,7 @@ import pytest
 from airflow_provider_horovod.runner import wire
 from airflow_provider_horovod.runner.artifacts import make_offer, offer_tree, send_tree, take_tree
 from airflow_provider_horovod.runner.channel import Channel, ChannelClient
+from airflow_provider_horovod.runner.events import UploadFinished, UploadStarted
 from airflow_provider_horovod.runner.mpi import ExecService, orted_argv
 
 SECRET = wire.new_secret()
@@ -43,7 +44,7 @@ def test_exec_service_refuses_a_plain_connection_and_runs_nothing(service):
     svc, launched = service
     with socket.create_connection(("127.0.0.1", svc.port)) as sock:
         sock.recv(wire.NONCE_BYTES)
-        sock.sendall(b'{"argv": ["orted"]}\n' * 4)
+        sock.sendall(b'{"words": ["orted"]}\n' * 4)
         assert _hung_up(sock)
     _settle(lambda: svc.refused == 1)
     assert svc.refused == 1 and svc.launches == 0 and launched == []
@@ -52,7 +53,7 @@ def test_exec_service_refuses_a_plain_connection_and_runs_nothing(service):
 def test_exec_service_refuses_a_wrongly_signed_request_and_runs_nothing(service):
     svc, launched = service
     conn = wire.connect(("127.0.0.1", svc.port), wire.new_secret())
-    conn.send({"argv": ["orted", "--version"]})
+    conn.send({"words": ["orted", "--version"]})
     conn.sock.settimeout(5)
     with pytest.raises(ConnectionError):
         conn.recv()
@@ -64,7 +65,7 @@ def test_exec_service_starts_nothing_but_orted_even_when_signed(service, tmp_pat
     svc, launched = service
     marker = tmp_path / "pwned"
     conn = wire.connect(("127.0.0.1", svc.port), SECRET)
-    conn.send({"argv": ["touch", str(marker)]})
+    conn.send({"words": ["touch", str(marker)]})
     conn.sock.settimeout(5)
     with pytest.raises(ConnectionError):
         conn.recv()
@@ -82,9 +83,9 @@ def test_channel_ignores_frames_not_signed_with_the_secret():
         good = ChannelClient(address, SECRET)
         good.send({"t": "logs", "rank": 1, "lines": ["genuine"]})
         good.close()
-        _settle(lambda: channel.rejected == 1 and list(channel.tails.get(1, [])) == ["genuine"])
+        _settle(lambda: channel.rejected == 1 and channel.tails().get(1) == ["genuine"])
         assert channel.rejected == 1
-        assert dict(channel.tails) == {1: __import__("collections").deque(["genuine"], maxlen=100)}
+        assert channel.tails() == {1: ["genuine"]}
     finally:
         channel.close()
 
@@ -106,7 +107,7 @@ def test_a_frame_replayed_on_another_connection_is_refused():
             assert _hung_up(sock)
         _settle(lambda: channel.rejected == 1)
         assert channel.rejected == 1
-        assert list(channel.tails[2]) == ["once"]
+        assert channel.tails()[2] == ["once"]
     finally:
         channel.close()
 
@@ -135,12 +136,13 @@ def test_driver_copies_a_tasks_folder_only_when_the_offer_proves_it_sees_it(tmp_
         offer["token"] = "f" * 64
     elif forge == "proof":  # a proof file this process cannot read (another host, another user)
         offer["proof"] = str(tmp_path / "not-here")
-    channel = Channel(SECRET, artifact_staging=tmp_path / "staging")
+    events = []
+    channel = Channel(SECRET, artifact_staging=tmp_path / "staging", on_event=events.append)
     channel.start("127.0.0.1")
     try:
         assert _put(channel, offer, task / "artifacts") == ("copy" if forge == "none" else "stream")
         assert channel.transport == ("copy" if forge == "none" else "stream")
-        assert channel.upload_done.is_set() and channel.upload_error is None
+        assert events == [UploadStarted(), UploadFinished(error=None)] and channel.upload_error is None
         assert (tmp_path / "staging" / "model.bin").read_bytes() == (task / "artifacts" / "model.bin").read_bytes()
     finally:
         channel.close()

@@ -1,0 +1,158 @@
+"""Typed records of a run: failure reports, the events the supervisor consumes, the run report."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from airflow_provider_horovod.runner.plan import TaskFacts
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """Why a rank or a task failed. Travels as JSON (channel, result rows, error files)."""
+
+    message: str  # one line a user reads first
+    rank: int | None = None
+    host: str | None = None
+    executor: str | None = None
+    exception: str | None = None  # "ValueError: boom", when Python raised
+    exit: str | None = None  # "exited with code 3", "was killed by SIGKILL"
+    traceback: str = ""
+    tail: tuple[str, ...] = ()  # the rank's last lines of output
+    launcher_output: tuple[str, ...] = ()  # mpirun's own words, after the rank's
+    consequence: bool = False  # a rank ended because the job was being stopped
+    time: float = dataclasses.field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["tail"] = list(self.tail)
+        out["launcher_output"] = list(self.launcher_output)
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Failure:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in names}
+        kwargs["tail"] = tuple(kwargs.get("tail") or ())
+        kwargs["launcher_output"] = tuple(kwargs.get("launcher_output") or ())
+        kwargs.setdefault("message", raw.get("exception") or "failed")
+        return cls(**kwargs)
+
+    @property
+    def secondary(self) -> bool:
+        """This failure follows from another: the rank was stopped by the runner, or Horovod shut
+        down under it because a peer went away (Horovod's own words for that)."""
+        return self.consequence or (self.exception or "").startswith("HorovodInternalError")
+
+    def with_tail(self, tail: list[str] | tuple[str, ...]) -> Failure:
+        return self if self.tail or not tail else dataclasses.replace(self, tail=tuple(tail))
+
+
+# -- what the supervisor consumes ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TaskStarted:
+    partition: int
+    executor: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FactsReported:
+    facts: TaskFacts
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskReady:
+    partition: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFailed:
+    failure: Failure
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskFinished:
+    """A task's ranks ended (rank 0's task has handed over its artifacts by then)."""
+
+    partition: int
+    failure: Failure | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskLost:
+    """A task's connection dropped before it finished: its Python worker died."""
+
+    partition: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadStarted:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadFinished:
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobEnded:
+    """The Spark job (or the driver's local ranks) returned: rows, or the error it raised."""
+
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelRequested:
+    pass
+
+
+Event = (TaskStarted | FactsReported | TaskReady | RankFailed | TaskFinished | TaskLost | UploadStarted
+         | UploadFinished | JobEnded | CancelRequested)
+
+
+# -- what a run leaves behind --------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class RunReport(Mapping):
+    """``HorovodRunner.last_run``: attribute access for every field; item access for old callers."""
+
+    run_id: str
+    np: int
+    launcher: str
+    status: str = "running"  # running | success | failed | cancelled
+    result: Any = None
+    duration_s: float | None = None
+    coordination: str | None = None  # "channel" (the driver's channel), "spark" (allGather), "local"
+    spark_ui_url: str | None = None
+    job_tag: str | None = None
+    artifact_dir: str | None = None
+    artifacts: dict[str, Any] | None = None  # the committed marker
+    timeline_path: str | None = None
+    timeline_summary_path: str | None = None
+    timeline_picture_path: str | None = None
+    checkpoint_path: str | None = None
+    artifact_transport: str | None = None  # "copy" (same host), "stream", or None
+    artifact_transfer_s: float | None = None
+    artifact_bytes: int = 0
+    error: dict[str, Any] | None = None  # the failure report, as JSON
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds since run() began
+    rejected_connections: int = 0
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in _REPORT_FIELDS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_REPORT_FIELDS)
+
+    def __len__(self) -> int:
+        return len(_REPORT_FIELDS)
+
+
+_REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(RunReport))

@@ -1,0 +1,100 @@
+"""Names the driver, the barrier tasks and the rank processes share, defined once.
+
+Three contracts live here: the ``HVDRUNNER_*`` environment of a rank process, the layout of a
+task folder (one per barrier task, or one for ``np < 0``), and the message types on the channel.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# -- the environment of every rank process ------------------------------------------------------
+ENV_PLAN = "HVDRUNNER_PLAN"  # path of the plan (JSON) in the task folder
+ENV_PAYLOAD = "HVDRUNNER_PAYLOAD"  # path of the cloudpickled function and its arguments
+ENV_SECRET = "HVDRUNNER_SECRET"  # the run's secret (hex); removed from the rank's environ
+ENV_CHANNEL = "HVDRUNNER_CHANNEL"  # "host:port" of the driver's channel, "" when unreachable
+ENV_VERBOSITY = "HVDRUNNER_VERBOSITY"  # "all" or "log_callback_only"
+ENV_TIMELINE = "HVDRUNNER_TIMELINE"  # "1": every rank sets HOROVOD_TIMELINE, rank 0's comes back
+ENV_HAS_RESUME = "HVDRUNNER_HAS_RESUME"  # "1": the host's first task fetched resume_from
+ENV_RESUME_DIR = "HVDRUNNER_RESUME_DIR"  # where resume_from is on this host (runtime.resume_dir)
+ENV_TASK_DIR = "HVDRUNNER_TASK_DIR"  # the rank's task folder (runtime.checkpoint_dir)
+ENV_EXEC_SERVICES = "HVDRUNNER_EXEC_SERVICES"  # mpirun's rsh agent: {host: "addr:port"}
+ENV_ARTIFACT_TRANSPORT = "HVDRUNNER_ARTIFACT_TRANSPORT"  # driver: "stream" turns the same-host copy off
+ENV_LAUNCHER = "HVDRUNNER_LAUNCHER"  # "mpirun" or "gloo"
+# The rank's place in the plan under every launcher. ``HOROVOD_RANK`` & co are set only under
+# Gloo, as ``horovodrun`` does: code in the Horovod ecosystem reads "HOROVOD_RANK is set" as
+# "launched with Gloo" (and calls ``hvd.shutdown()`` between tests, which ends MPI for good).
+ENV_RANK = "HVDRUNNER_RANK"
+ENV_SIZE = "HVDRUNNER_SIZE"
+ENV_LOCAL_RANK = "HVDRUNNER_LOCAL_RANK"
+ENV_LOCAL_SIZE = "HVDRUNNER_LOCAL_SIZE"
+ENV_CROSS_RANK = "HVDRUNNER_CROSS_RANK"
+ENV_CROSS_SIZE = "HVDRUNNER_CROSS_SIZE"
+ENV_HOSTNAME = "HVDRUNNER_HOSTNAME"
+# What the Gloo contract sets and a driver's own environment must never leak into a rank.
+HOROVOD_RANK_CONTRACT = (
+    "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+    "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_TIMELINE",
+)
+# Variables of the Spark Python worker that no rank, mpirun or orted needs.
+SPARK_WORKER_SECRETS = ("PYTHON_WORKER_FACTORY_SECRET",)
+
+# -- the task folder ------------------------------------------------------------------------------
+PAYLOAD_FILE = "payload.pkl"
+PLAN_FILE = "plan.json"
+RESULT_FILE = "result.pkl"
+ERROR_FILE = "rank-%d.error.json"
+RANK_LOG = "rank-%d.log"
+MPIRUN_LOG = "mpirun.log"
+ORTED_LOG = "orted.log"
+AGENT_FILE = "hvdrunner-rsh"
+ARTIFACTS_DIR = "artifacts"  # rank 0's: what comes back to the driver
+SCRATCH_DIR = "scratch-rank-%d"  # every other rank's: thrown away
+RESUME_DIR = "resume"  # the host's copy of resume_from (in its first task's folder)
+CHECKPOINTS_DIR = "checkpoints"
+TIMELINE_FILE = "timeline.json"
+
+
+class TaskDir:
+    """The folder of one barrier task (or of the driver's local ranks), and every name in it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    payload = property(lambda self: self.path / PAYLOAD_FILE)
+    plan = property(lambda self: self.path / PLAN_FILE)
+    result = property(lambda self: self.path / RESULT_FILE)
+    mpirun_log = property(lambda self: self.path / MPIRUN_LOG)
+    orted_log = property(lambda self: self.path / ORTED_LOG)
+    agent = property(lambda self: self.path / AGENT_FILE)
+    artifacts = property(lambda self: self.path / ARTIFACTS_DIR)
+    resume = property(lambda self: self.path / RESUME_DIR)
+
+    def error(self, rank: int) -> Path:
+        return self.path / (ERROR_FILE % rank)
+
+    def rank_log(self, rank: int) -> Path:
+        return self.path / (RANK_LOG % rank)
+
+    def rank_folder(self, rank: int) -> Path:
+        """Rank 0's artifact folder (it comes back), every other rank's scratch folder."""
+        return self.artifacts if rank == 0 else self.path / (SCRATCH_DIR % rank)
+
+
+# -- channel messages (the ``t`` field of every frame) ------------------------------------------
+MSG_HELLO = "hello"  # task -> driver: partition and executor, first on its connection
+MSG_FACTS = "facts"  # task -> driver: TaskFacts
+MSG_PLAN = "plan"  # driver -> task: the plan
+MSG_READY = "ready"  # task -> driver: prepared (resume fetched, rendezvous initialised)
+MSG_START = "start"  # driver -> task: start the ranks
+MSG_FINISHED = "finished"  # task -> driver: its ranks ended (with a failure report or none)
+MSG_RELEASE = "release"  # driver -> task: every task finished; return
+MSG_STOP = "stop"  # driver -> task: end your ranks now
+MSG_LOGS = "logs"  # rank -> driver: lines of output
+MSG_ERROR = "error"  # rank/task -> driver: a failure report
+MSG_EVENT = "event"  # task -> driver: something to record (orted launched, ...)
+MSG_PUT = "put"  # rank 0's task -> driver: its artifacts follow
+MSG_FETCH_RESUME = "fetch-resume"  # task -> driver: send resume_from

@@ -1,0 +1,268 @@
+"""The supervisor: every decision the driver takes during a run, and every deadline, in one place.
+
+It consumes typed events (``events.py``) and answers with actions for the runner to carry out; it
+never sleeps, reads a clock or touches a socket itself, so each decision can be tested alone with
+a list of events and made-up times.
+
+The life of a coordinated run (tasks reach the driver's channel)::
+
+    starting   tasks report their facts; when all ``np`` have, the plan goes to every task
+    preparing  tasks fetch resume_from / start the rendezvous; when all are ready: start
+    running    ranks train; each task reports when its ranks ended (rank 0's artifacts first)
+    stopping   after a failure, a cancel or a slow start: tasks were told to stop their ranks
+    ended      every task finished and was released, or the job ended, or it was cut off
+
+A run without the channel (``coordinated=False``: Spark's ``allGather`` fallback, or ``np < 0``)
+skips the first two phases and ends when its job ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from airflow_provider_horovod.runner import procs
+from airflow_provider_horovod.runner.events import (
+    CancelRequested,
+    Event,
+    Failure,
+    FactsReported,
+    JobEnded,
+    RankFailed,
+    TaskFinished,
+    TaskLost,
+    TaskReady,
+    TaskStarted,
+    UploadFinished,
+    UploadStarted,
+)
+from airflow_provider_horovod.runner.plan import Plan, TaskFacts
+
+
+@dataclasses.dataclass(frozen=True)
+class Deadlines:
+    """Every timeout of the driver, with the relationships between them checked."""
+
+    start_s: float = 120.0  # all barrier tasks started and reported (the user's start_timeout)
+    stop_grace_s: float = 20.0  # after a stop request (failure, slow start): tasks end their ranks
+    cancel_grace_s: float = 5.0  # the same after a user's cancel
+    artifact_grace_s: float = 60.0  # after a failure, how long an upload in flight may still run
+    cancel_artifact_grace_s: float = 3.0  # the same after a cancel
+    cut_off_join_s: float = 30.0  # after cutting the job off, how long to wait for Spark to return
+    cancel_bound_s: float = 10.0  # a cancelled run leaves no process after this long (a promise)
+
+    def __post_init__(self) -> None:
+        if self.start_s <= 0:
+            raise ValueError("start_timeout must be positive; got %r" % (self.start_s,))
+        # A cancel: grace, then the upload's extra, then the reapers' TERM->KILL grace must all fit.
+        kill_s = procs.STOP_GRACE_S + procs.WATCH_INTERVAL_S
+        assert self.cancel_grace_s + self.cancel_artifact_grace_s + kill_s <= self.cancel_bound_s
+        # Ranks notice a dead task within one watchdog interval, well inside the cancel grace.
+        assert procs.WATCH_INTERVAL_S < self.cancel_grace_s
+        # An upload in flight after a failure is given longer than the stop grace, never less.
+        assert self.artifact_grace_s >= self.stop_grace_s
+
+
+@dataclasses.dataclass(frozen=True)
+class SendPlan:
+    plan: Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class SendStart:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """Every task finished: let them all return (the job then ends by itself)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Ask every task to end its ranks now (rank 0's task still hands over its artifacts)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CutOff:
+    """Hang up on every task and interrupt the Spark job: whatever still runs ends now."""
+
+
+Action = SendPlan | SendStart | Release | Stop | CutOff
+STOP_REASONS = ("error", "cancel", "timeout")
+
+
+class Supervisor:
+    """Decides, from the events of one run, what the driver does next and when the run is over.
+
+    :param np: the number of barrier tasks (``0`` for a run with no tasks: ``np < 0``).
+    :param coordinated: the tasks reach the driver's channel and wait for its plan and start.
+    :param planner: facts of every task -> plan; raises ``PlanError`` when they cannot run the job.
+    :param now: the time the run started (any monotonic clock, the same as later calls').
+    """
+
+    def __init__(self, np: int, *, coordinated: bool, planner: Callable[[list[TaskFacts]], Plan],
+                 deadlines: Deadlines, now: float) -> None:
+        self.np = np
+        self.coordinated = coordinated
+        self.deadlines = deadlines
+        self._planner = planner
+        self._began = now
+        self.phase = "starting" if coordinated else "running"
+        self.reason: str | None = None  # why the run was stopped: one of STOP_REASONS
+        self.failures: list[Failure] = []  # every failure reported, in the order they arrived
+        self.plan: Plan | None = None
+        self.started: set[int] = set()
+        self._facts: dict[int, TaskFacts] = {}
+        self._ready: set[int] = set()
+        self.finished: dict[int, Failure | None] = {}
+        self.upload = "none"  # none | running | done | failed
+        self.job_ended: JobEnded | None = None
+        self._stop_at: float | None = None
+        self._cut_at: float | None = None
+        self.marks: dict[str, float] = {}
+
+    # -- the verdict -----------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.phase == "ended"
+
+    @property
+    def cause(self) -> Failure | None:
+        """The failure to show the user: the first that does not follow from another (a rank that
+        raised or died, rather than the peer whose collective broke because of it)."""
+        primary = [f for f in self.failures if not f.secondary]
+        return (primary or self.failures or [None])[0]
+
+    @property
+    def released(self) -> bool:
+        return "released" in self.marks
+
+    # -- events ----------------------------------------------------------------------------------
+    def handle(self, event: Event, now: float) -> list[Action]:
+        if isinstance(event, TaskStarted):
+            self.started.add(event.partition)
+            return []
+        if isinstance(event, FactsReported):
+            return self._on_facts(event.facts, now)
+        if isinstance(event, TaskReady):
+            self._ready.add(event.partition)
+            if self.phase == "preparing" and len(self._ready) == self.np:
+                self.phase = "running"
+                self._mark("start", now)
+                return [SendStart()]
+            return []
+        if isinstance(event, RankFailed):
+            return self._on_failure(event.failure, now)
+        if isinstance(event, TaskLost):
+            if event.partition in self.finished:
+                return []
+            return self._on_failure(Failure("The barrier task of partition %d died (its Python worker is gone)."
+                                            % event.partition), now)
+        if isinstance(event, TaskFinished):
+            return self._on_finished(event, now)
+        if isinstance(event, UploadStarted):
+            self.upload = "running"
+            return []
+        if isinstance(event, UploadFinished):
+            self.upload = "failed" if event.error else "done"
+            return []
+        if isinstance(event, JobEnded):
+            self.job_ended = event
+            self._mark("job-ended", now)
+            self.phase = "ended"
+            return []
+        if isinstance(event, CancelRequested):
+            return self._stop("cancel", now)
+        raise TypeError("not an event: %r" % (event,))
+
+    def _on_facts(self, facts: TaskFacts, now: float) -> list[Action]:
+        if self.phase != "starting":
+            return [Stop()] if self.reason else []  # a late or resubmitted task: nothing to do here
+        self._facts[facts.partition] = facts
+        if len(self._facts) < self.np:
+            return []
+        self._mark("facts", now)
+        try:
+            self.plan = self._planner([self._facts[p] for p in sorted(self._facts)])
+        except PlanError as err:
+            return self._on_failure(err.failure, now)
+        self.phase = "preparing"
+        return [SendPlan(self.plan)]
+
+    def _on_failure(self, failure: Failure, now: float) -> list[Action]:
+        self.failures.append(failure)
+        return self._stop("error", now)
+
+    def _on_finished(self, event: TaskFinished, now: float) -> list[Action]:
+        self.finished[event.partition] = event.failure
+        actions: list[Action] = []
+        if event.failure is not None:
+            actions += self._on_failure(event.failure, now)
+        if len(self.finished) == self.np and not self.released:
+            self._mark("released", now)
+            actions.append(Release())
+        return actions
+
+    def _stop(self, reason: str, now: float) -> list[Action]:
+        if self.phase == "ended":
+            return []
+        if self.reason is not None:
+            if reason == "cancel" and self.reason != "cancel":
+                self.reason = "cancel"  # a cancel shortens whatever grace is running
+            return []
+        self.reason = reason
+        self.phase = "stopping"
+        self._stop_at = now
+        self._mark("stop", now)
+        return [Stop()]
+
+    # -- time ------------------------------------------------------------------------------------
+    def tick(self, now: float) -> list[Action]:
+        """What the passing of time decides: a slow start, a stop that took too long."""
+        if self.phase in ("starting", "preparing") and now - self._began > self.deadlines.start_s \
+                and len(self._facts) < self.np:
+            return self._stop("timeout", now)
+        if self.phase == "stopping" and self._cut_at is None and self._stop_at is not None:
+            if now >= self._cut_off_time():
+                self._cut_at = now
+                self._mark("cut-off", now)
+                return [CutOff()]
+        if self._cut_at is not None and now - self._cut_at > self.deadlines.cut_off_join_s:
+            self.phase = "ended"  # Spark never returned after the cut-off: give up on it
+        return []
+
+    def _cut_off_time(self) -> float:
+        assert self._stop_at is not None
+        d = self.deadlines
+        if self.reason == "cancel":
+            grace = d.cancel_grace_s + (d.cancel_artifact_grace_s if self.upload == "running" else 0.0)
+        else:
+            grace = d.artifact_grace_s if self.upload == "running" else d.stop_grace_s
+        return self._stop_at + grace
+
+    def next_wakeup(self, now: float) -> float:
+        """Seconds until the next deadline that ``tick`` must see (bounded, so a lost event costs little)."""
+        candidates = [1.0]
+        if self.phase in ("starting", "preparing"):
+            candidates.append(self._began + self.deadlines.start_s - now)
+        if self.phase == "stopping" and self._cut_at is None:
+            candidates.append(self._cut_off_time() - now)
+        return max(0.01, min(candidates))
+
+    def _mark(self, name: str, now: float) -> None:
+        self.marks.setdefault(name, now - self._began)
+
+
+class PlanError(Exception):
+    """The tasks' facts say the job cannot run (another Python, no mpirun, ...)."""
+
+    def __init__(self, failure: Failure) -> None:
+        self.failure = failure
+        super().__init__(failure.message)
+
+
+def summary(sup: Supervisor) -> dict[str, Any]:
+    """What the supervisor decided, for the run report and for logs."""
+    return {"reason": sup.reason, "phase": sup.phase, "finished": sorted(sup.finished), "upload": sup.upload}

@@ -18,52 +18,58 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from airflow_provider_horovod.runner import names
+
 _client = None  # set by the rank process (``runner.worker``) to its ChannelClient
 
 
-def _int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
+def _int(*names_: str, default: int) -> int:
+    for name in names_:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return default
 
 
+# The runner's own view first (every launcher), then Gloo's contract, then MPI's.
 def rank() -> int:
-    return _int("HVDRUNNER_RANK", _int("HOROVOD_RANK", _int("OMPI_COMM_WORLD_RANK", 0)))
+    return _int(names.ENV_RANK, "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", default=0)
 
 
 def size() -> int:
-    return _int("HVDRUNNER_SIZE", _int("HOROVOD_SIZE", _int("OMPI_COMM_WORLD_SIZE", 1)))
+    return _int(names.ENV_SIZE, "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", default=1)
 
 
 def local_rank() -> int:
-    return _int("HVDRUNNER_LOCAL_RANK", _int("HOROVOD_LOCAL_RANK", _int("OMPI_COMM_WORLD_LOCAL_RANK", 0)))
+    return _int(names.ENV_LOCAL_RANK, "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
 
 
 def local_size() -> int:
-    return _int("HVDRUNNER_LOCAL_SIZE", _int("HOROVOD_LOCAL_SIZE", _int("OMPI_COMM_WORLD_LOCAL_SIZE", 1)))
+    return _int(names.ENV_LOCAL_SIZE, "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", default=1)
 
 
 def cross_rank() -> int:
-    return _int("HVDRUNNER_CROSS_RANK", _int("HOROVOD_CROSS_RANK", 0))
+    return _int(names.ENV_CROSS_RANK, "HOROVOD_CROSS_RANK", default=0)
 
 
 def cross_size() -> int:
-    return _int("HVDRUNNER_CROSS_SIZE", _int("HOROVOD_CROSS_SIZE", 1))
+    return _int(names.ENV_CROSS_SIZE, "HOROVOD_CROSS_SIZE", default=1)
 
 
 def hostname() -> str:
     """The host identity the runner gave this rank (one per Spark executor)."""
-    return os.environ.get("HVDRUNNER_HOSTNAME") or os.environ.get("HOROVOD_HOSTNAME", "localhost")
+    return os.environ.get(names.ENV_HOSTNAME) or os.environ.get("HOROVOD_HOSTNAME", "localhost")
 
 
 def in_runner() -> bool:
-    return "HVDRUNNER_TASK_DIR" in os.environ
+    return names.ENV_TASK_DIR in os.environ
 
 
 def log_to_driver(message: object) -> None:
     """Send ``message`` to the driver's log, whatever ``driver_log_verbosity`` is."""
     text = str(message)
     if _client is not None and _client.connected:
-        _client.send({"t": "logs", "rank": rank(), "lines": text.splitlines() or [""], "callback": True})
+        _client.send({"t": names.MSG_LOGS, "rank": rank(), "lines": text.splitlines() or [""], "callback": True})
     else:
         print(text, flush=True)
 
@@ -76,18 +82,16 @@ def checkpoint_dir() -> Path:
     Write a checkpoint under a temporary name and rename it when complete: a file being written
     when the run fails is never offered as complete.
     """
-    base = os.environ.get("HVDRUNNER_TASK_DIR")
+    base = os.environ.get(names.ENV_TASK_DIR)
     if base is None:
-        path = Path.cwd() / "checkpoints"
-    elif rank() == 0:
-        path = Path(base) / "artifacts" / "checkpoints"
+        path = Path.cwd() / names.CHECKPOINTS_DIR
     else:
-        path = Path(base) / ("scratch-rank-%d" % rank()) / "checkpoints"
+        path = names.TaskDir(base).rank_folder(rank()) / names.CHECKPOINTS_DIR
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def resume_dir() -> Path | None:
     """The checkpoint folder given as ``resume_from``, present on every rank, or ``None``."""
-    value = os.environ.get("HVDRUNNER_RESUME_DIR")
+    value = os.environ.get(names.ENV_RESUME_DIR)
     return Path(value) if value else None

@@ -2,7 +2,8 @@
 
 Run it by hand from the repository root (it is a benchmark, not a test)::
 
-    .venv/bin/python benchmarks/throughput.py              # 3 rounds
+    .venv/bin/python benchmarks/throughput.py                    # mpirun, 5 rounds
+    .venv/bin/python benchmarks/throughput.py --launcher gloo
     .venv/bin/python benchmarks/throughput.py --rounds 5 --steps 200
 
 Both contenders run the same function, ``train``: a small CNN (2 conv layers, 1x28x28 inputs,
@@ -12,13 +13,13 @@ Both contenders run the same function, ``train``: a small CNN (2 conv layers, 1x
 and reports images/second. ``torch.set_num_threads(1)`` in every rank, so the 2 ranks do not
 oversubscribe 2 cores. The contenders are
 
-* ``horovodrun -np 2 -H localhost:2 python train.py`` (a script file written to a temp dir, holding
-  the same ``train`` source; horovodrun picks MPI when it is there);
+* ``horovodrun -np 2 -H localhost:2 --mpi|--gloo python train.py`` (a script file written to a temp
+  dir, holding the same ``train`` source), with the same launcher as the runner;
 * ``HorovodRunner(2, spark=spark).run(train, ...)`` on a warm ``local[2]`` SparkSession, with the
-  default launcher (mpirun); ``--launcher gloo`` to try the other one.
+  default launcher (mpirun); ``--launcher gloo`` for the other one.
 
 They alternate for ``--rounds`` rounds (after one untimed warm-up run each); the script prints the
-median per-rank images/s of each and the ratio runner/horovodrun against the target (>= 0.95).
+median per-rank images/s of each and the ratio runner/horovodrun against the target (>= 0.98).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from _common import warm_local_session  # benchmarks/ is sys.path[0] when a scri
 
 NP = 2
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
-TARGET = 0.95
+TARGET = 0.98  # issue #9: >= 0.98x horovodrun with the same launcher
 
 
 def train(steps=100, warmup=10, batch_size=32, seed=1234, threads=1):
@@ -127,7 +128,7 @@ def _interrupt(signum, frame):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per contender (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per contender (default 5)")
     parser.add_argument("--steps", type=int, default=100, help="timed training steps per run (default 100)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before the clock starts (default 10)")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -152,7 +153,8 @@ def main() -> int:
 
         def horovodrun() -> dict:
             out.unlink(missing_ok=True)
-            cmd = [HOROVODRUN, "-np", str(NP), "-H", "localhost:%d" % NP, sys.executable, str(script), str(out), json.dumps(kwargs)]
+            cmd = [HOROVODRUN, "-np", str(NP), "-H", "localhost:%d" % NP, "--mpi" if args.launcher == "mpirun" else "--gloo",
+                   sys.executable, str(script), str(out), json.dumps(kwargs)]
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if proc.returncode != 0:
                 raise RuntimeError("horovodrun exited with %d:\n%s" % (proc.returncode, proc.stdout[-3000:]))
@@ -165,7 +167,8 @@ def main() -> int:
                 raise KeyboardInterrupt from err
 
         contenders = {"horovodrun": horovodrun, "runner": runner}
-        names = {"horovodrun": "horovodrun -np 2", "runner": "HorovodRunner(2) %s" % args.launcher}
+        names = {"horovodrun": "horovodrun -np 2 --%s" % ("mpi" if args.launcher == "mpirun" else "gloo"),
+                 "runner": "HorovodRunner(2) %s" % args.launcher}
         rates: dict[str, list[list[float]]] = {n: [] for n in contenders}
 
         print("warm-up (untimed):")

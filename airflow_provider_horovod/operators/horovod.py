@@ -7,12 +7,12 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import Asset, BaseOperator
 
 from airflow_provider_horovod.hooks.horovod import CHECKPOINTS, HorovodRunnerHook
+from airflow_provider_horovod.runner.artifacts import TIMELINE
 from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ class HorovodRunnerOperator(BaseOperator):
         committed = self.hook.store_artifacts(local, store, marker, extra_files=extra_files)
         files = set(committed["stored_files"])
         checkpoint_uri = str(store / CHECKPOINTS) if any(f.startswith(CHECKPOINTS + "/") for f in files) else None
-        timeline_uri = str(store / "timeline.json") if "timeline.json" in files else None
+        timeline_uri = str(store / TIMELINE) if TIMELINE in files else None
         picture = str(store / "timeline.svg") if "timeline.svg" in files else None
         self.log.info("Stored %d artifact files in %s (%s)", len(files), store, committed.get("status"))
         xcom = {

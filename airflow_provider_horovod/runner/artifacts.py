@@ -35,14 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.exceptions import ArtifactError
+from airflow_provider_horovod.runner import names
 
 MARKER = "_ARTIFACTS.json"
 CHUNK = 4 << 20
 COPY_CHUNK = 64 << 20  # per copy_file_range call: how often a same-host copy looks for a cancel
-TIMELINE = "timeline.json"
+TIMELINE = names.TIMELINE_FILE
 SUMMARY = "timeline_summary.json"
 PICTURE = "timeline.svg"
-CHECKPOINTS = "checkpoints"
+CHECKPOINTS = names.CHECKPOINTS_DIR
 
 
 def in_progress(name: str) -> bool:

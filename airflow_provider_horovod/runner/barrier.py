@@ -15,7 +15,6 @@ import platform
 import shutil
 import socket
 import tempfile
-from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.runner import names, procs
@@ -24,10 +23,12 @@ from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.host import (
     RunSpec,
     base_env,
+    exit_text,
     fetch_resume,
     missing_programs,
     rank_tails,
     run_ranks,
+    tail,
     to_json_rows,
     upload_artifacts,
 )
@@ -78,10 +79,11 @@ def check_facts(driver_python: str, facts: list[TaskFacts]) -> Failure | None:
     return None
 
 
-def abort_task() -> None:
-    """The driver hung up mid-run (cancelled, or gone): stop every process of this task, then the
-    task's Python worker itself, as Spark would after its kill timeout."""
+def abort_task(task: TaskDir) -> None:
+    """The driver hung up mid-run (cancelled, or gone): stop every process of this task, remove its
+    folder, then end the task's Python worker itself, as Spark would after its kill timeout."""
     procs.kill_all()
+    shutil.rmtree(task.path, ignore_errors=True)
     os._exit(1)
 
 
@@ -200,7 +202,28 @@ def prepare(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: 
         services.rendezvous.init(plan)
 
 
-def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str]) -> Failure | None:
+def wait_for_orted(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: TaskServices,
+                   client: ChannelClient) -> Failure | None:
+    """Under mpirun, the first task of every other host: wait until its ``orted`` ended (or the
+    driver says stop), so its report can say how that host's daemon ended."""
+    slot = plan.for_partition(partition)
+    if not client.connected or plan.host_leader(slot.hostname).partition != partition:
+        return None
+    service = services.exec_service
+    while not service.orted_ended.wait(0.2):
+        if client.stopped.is_set():
+            break
+    if not service.orted_code:
+        return None
+    how = exit_text(service.orted_code)
+    return Failure("orted on host %s (executor %s) %s" % (slot.hostname, slot.executor, how), host=slot.hostname,
+                   executor=slot.executor, exit=how, launcher_output=tuple(["-- orted on host %s:" % slot.hostname]
+                                                                          + tail(task.orted_log, 30)),
+                   consequence=True)
+
+
+def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], services: TaskServices,
+           client: ChannelClient) -> Failure | None:
     """This task's part of the run: its own Gloo rank, or (partition 0) mpirun for every host."""
     from airflow_provider_horovod.runner.mpi import mpirun_argv, write_agent
 
@@ -209,7 +232,7 @@ def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[s
         root = plan.slots[0]
         return run_ranks(spec, plan, [slot], task, env, rendezvous=(root.address, root.rendezvous_port))
     if partition != 0:
-        return None
+        return wait_for_orted(spec, plan, partition, task, services, client)
     leaders = {name: plan.host_leader(name) for name, _ in plan.hosts}
     env = dict(env)
     env[names.ENV_EXEC_SERVICES] = json.dumps({name: "%s:%d" % (s.address, s.service_port) for name, s in leaders.items()})
@@ -223,7 +246,7 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
     executor = ctx.getTaskInfos()[partition].address
     address = _reachable_address(executor)
     task = TaskDir(tempfile.mkdtemp(prefix="hvdrunner-%s-p%d-" % (spec.run_id, partition)))
-    client = ChannelClient(spec.channel, spec.secret, on_lost=abort_task, on_stop=procs.kill_all)
+    client = ChannelClient(spec.channel, spec.secret, on_lost=lambda: abort_task(task), on_stop=procs.kill_all)
     coordinator = ChannelCoordinator(client, partition) if client.connected else SparkCoordinator(ctx)
     client.send({"t": names.MSG_HELLO, "partition": partition, "executor": executor})
     services = None
@@ -237,7 +260,7 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
             plan = coordinator.plan(task_facts(ctx, spec, partition, executor, address, task, services), spec)
             prepare(spec, plan, partition, task, services)
             coordinator.ready(plan, spec)
-            failure = launch(spec, plan, partition, task, env)
+            failure = launch(spec, plan, partition, task, env, services, client)
         except Stopped:
             pass
         mine = [s for s in plan.slots if s.partition == partition] if plan else []

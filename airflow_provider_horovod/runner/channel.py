@@ -157,10 +157,12 @@ class Channel:
         with self._lock:
             self._recorded.append(event)
 
-    def lines(self, rank: int, lines: list[str], *, callback: bool = False) -> None:
+    def lines(self, rank: int, lines: list[str], *, callback: bool = False, quiet: bool = False) -> None:
+        """A rank's lines: kept for its failure report; shown unless ``quiet`` (log_callback_only)."""
         with self._lock:
             self._tails[rank].extend(lines)
-        self._output(rank, lines, callback=callback)
+        if not quiet:
+            self._output(rank, lines, callback=callback)
 
     # -- serving ---------------------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
@@ -207,7 +209,7 @@ class Channel:
     def _handle(self, msg: dict[str, Any]) -> None:
         kind = msg.get("t")
         if kind == names.MSG_LOGS:
-            self.lines(int(msg["rank"]), msg["lines"], callback=bool(msg.get("callback")))
+            self.lines(int(msg["rank"]), msg["lines"], callback=bool(msg.get("callback")), quiet=bool(msg.get("quiet")))
         elif kind == names.MSG_FACTS:
             self._emit(FactsReported(TaskFacts.from_json(msg["facts"])))
         elif kind == names.MSG_READY:

@@ -9,12 +9,13 @@ import contextlib
 import dataclasses
 import json
 import os
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,6 @@ from airflow_provider_horovod.runner.plan import Plan, Slot, gloo_env
 
 WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.worker"]
 TAIL_LINES = 100
-POLL_S = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +119,13 @@ def rank_exit_failure(slot: Slot, code: int, *, stopping: bool) -> Failure:
 
 
 def run_gloo_ranks(spec: RunSpec, slots: list[Slot], rendezvous: tuple[str, int], env: dict[str, str]) -> Failure | None:
-    """Start one rank process per slot, wait for all; return the first failure, if any."""
-    running: list[tuple[Slot, subprocess.Popen]] = []
+    """Start one rank process per slot, wait for all; return the first failure, if any.
+
+    The wait blocks in ``waitpid`` (one thread per rank): nothing on this host wakes up while the
+    ranks train, and an exit is seen the moment it happens.
+    """
+    running: list[subprocess.Popen] = []
+    ended: queue.Queue[tuple[Slot, subprocess.Popen, int]] = queue.Queue()
     try:
         for slot in slots:
             rank_env = dict(env)
@@ -128,21 +133,15 @@ def run_gloo_ranks(spec: RunSpec, slots: list[Slot], rendezvous: tuple[str, int]
             rank_env[names.ENV_RANK] = str(slot.rank)
             with TaskDir(slot.task_dir).rank_log(slot.rank).open("wb") as out:
                 proc = procs.spawn(WORKER, rank_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            running.append((slot, proc))
-        pending = list(running)
-        while pending:
-            for item in list(pending):
-                slot, proc = item
-                code = proc.poll()
-                if code is None:
-                    continue
-                pending.remove(item)
-                if code != 0:
-                    return rank_exit_failure(slot, code, stopping=procs.killed_by_us(proc.pid))
-            time.sleep(POLL_S)
+            running.append(proc)
+            threading.Thread(target=lambda s=slot, p=proc: ended.put((s, p, p.wait())), daemon=True).start()
+        for _ in running:
+            slot, proc, code = ended.get()
+            if code != 0:
+                return rank_exit_failure(slot, code, stopping=procs.killed_by_us(proc.pid))
         return None
     finally:
-        for _, proc in running:
+        for proc in running:
             if proc.poll() is None:
                 procs.kill_tree(proc)
 
@@ -183,7 +182,9 @@ def mpirun_failure(plan: Plan, code: int, task: TaskDir, *, stopping: bool) -> F
     """Why mpirun failed: the failing rank (its own report when it made one), then mpirun's words."""
     said = tail(task.mpirun_log)
     orted = tail(task.orted_log, 30)
-    launcher_output = tuple(said + (["-- orted on this host:"] + orted if orted else []))
+    agent = tail(task.rsh_log, 30)
+    launcher_output = tuple(said + (["-- orted on this host:"] + orted if orted else [])
+                            + (["-- the rsh agent:"] + agent if agent else []))
     reports = [f for f in (read_error_file(TaskDir(s.task_dir), s.rank) for s in plan.slots) if f is not None]
     if reports:
         first = min(reports, key=lambda f: f.time)

@@ -12,18 +12,19 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from airflow_provider_horovod.runner import procs, wire
+from airflow_provider_horovod.runner.host import WORKER
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.plan import Plan
-
-WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.worker"]
 
 
 def orted_argv(words: list[str]) -> list[str]:
@@ -54,7 +55,14 @@ class ExecService:
     ) -> None:
         self._secret = secret
         self._log_path = log_path or Path(os.devnull)
-        self._env = env
+        # Every orted gets a session directory of its own. By default all daemons of a job on one
+        # machine share /tmp/ompi.<host>.<uid>/jf.<jobfam>/, and Open MPI 4.1 does not expect two
+        # of them there (two executors on one machine are two hosts to the runner): they race on
+        # mkdir ("File exists"), on PMIx's shared store and on the shared hwloc topology (orted
+        # SIGSEGV in hwloc_shmem_topology_write), and mpirun says "ORTE was unable to reliably
+        # start one or more daemons" (1 launch in 10 under load here; none with this).
+        self._session_dir = Path(tempfile.mkdtemp(prefix="hvdo-"))
+        self._env = {**env, "OMPI_MCA_orte_tmpdir_base": str(self._session_dir)}
         self._watch_pid = watch_pid
         self._on_launch = on_launch
         self._listener = wire.listen(host)
@@ -63,6 +71,8 @@ class ExecService:
         self._lock = threading.Lock()
         self._closed = False
         self.launches = 0
+        self.orted_ended = threading.Event()
+        self.orted_code: int | None = None
         self.refused = 0
         wire.serve(self._listener, self._secret, self._serve, "hvdrunner-exec-service")
 
@@ -75,6 +85,7 @@ class ExecService:
             argv = orted_argv([str(w) for w in request["words"]])  # raises ValueError for anything but orted
             with self._lock:
                 if self._closed:
+                    self._note("asked to start orted after the task ended")
                     return
                 # orted's own output goes to a file next to the task, never to a pipe nobody may read
                 with open(self._log_path, "ab") as log_file:
@@ -99,15 +110,24 @@ class ExecService:
                 pass
             if proc.poll() is None:
                 procs.kill_tree(proc)
+            self.orted_code = proc.returncode
+            self.orted_ended.set()
+            if proc.returncode:
+                self._note("orted ended with %s" % proc.returncode)
             with contextlib.suppress(OSError):
                 conn.send({"exit": proc.returncode})
-        except (wire.AuthenticationError, ValueError, KeyError, TypeError):
+        except (wire.AuthenticationError, ValueError, KeyError, TypeError) as err:
             with self._lock:
                 self.refused += 1
+            self._note("refused a request: %s: %s" % (type(err).__name__, err))
         except (ConnectionError, OSError):
             pass
         finally:
             conn.close()
+
+    def _note(self, line: str) -> None:
+        with contextlib.suppress(OSError), open(self._log_path, "a") as f:
+            f.write("hvdrunner exec service: %s\n" % line)
 
     def close(self) -> None:
         with self._lock:
@@ -118,6 +138,7 @@ class ExecService:
         for proc in running:
             if proc.poll() is None:
                 procs.kill_tree(proc)
+        shutil.rmtree(self._session_dir, ignore_errors=True)
 
 
 def write_agent(task: TaskDir) -> Path:

@@ -48,6 +48,7 @@ RANK_LOG = "rank-%d.log"
 MPIRUN_LOG = "mpirun.log"
 ORTED_LOG = "orted.log"
 AGENT_FILE = "hvdrunner-rsh"
+AGENT_LOG = "rsh.log"  # the agent's own words (Open MPI sends its output to /dev/null)
 ARTIFACTS_DIR = "artifacts"  # rank 0's: what comes back to the driver
 SCRATCH_DIR = "scratch-rank-%d"  # every other rank's: thrown away
 RESUME_DIR = "resume"  # the host's copy of resume_from (in its first task's folder)
@@ -70,6 +71,7 @@ class TaskDir:
     mpirun_log = property(lambda self: self.path / MPIRUN_LOG)
     orted_log = property(lambda self: self.path / ORTED_LOG)
     agent = property(lambda self: self.path / AGENT_FILE)
+    rsh_log = property(lambda self: self.path / AGENT_LOG)
     artifacts = property(lambda self: self.path / ARTIFACTS_DIR)
     resume = property(lambda self: self.path / RESUME_DIR)
 

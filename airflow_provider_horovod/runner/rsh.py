@@ -19,14 +19,31 @@ from airflow_provider_horovod.runner.names import ENV_EXEC_SERVICES, ENV_SECRET
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _run(argv)
+    except BaseException as err:  # noqa: BLE001 - mpirun sends our stderr to /dev/null: say it in the log
+        _note("hvdrunner-rsh %s: %s: %s" % (argv[:1], type(err).__name__, err))
+        code = 255
+    if code != 0:
+        _note("hvdrunner-rsh %s: orted ended with %d" % (argv[:1], code))
+    sys.exit(code)
+
+
+def _note(line: str) -> None:
+    """Open MPI discards the agent's output; its words go next to it, into the task folder."""
+    with contextlib.suppress(OSError), open(os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "rsh.log"), "a") as f:
+        f.write(line + "\n")
+
+
+def _run(argv: list[str]) -> int:
     if len(argv) < 2:
         sys.stderr.write("usage: hvdrunner-rsh HOST COMMAND...\n")
-        sys.exit(2)
+        return 2
     host, words = argv[0], argv[1:]
     services = json.loads(os.environ[ENV_EXEC_SERVICES])
     if host not in services:
-        sys.stderr.write("hvdrunner-rsh: no exec service for host %r (known: %s)\n" % (host, sorted(services)))
-        sys.exit(255)
+        _note("hvdrunner-rsh: no exec service for host %r (known: %s)" % (host, sorted(services)))
+        return 255
     addr, _, port = services[host].rpartition(":")
     secret = bytes.fromhex(os.environ[ENV_SECRET])
     conn = wire.connect((addr, int(port)), secret, timeout=30)
@@ -37,4 +54,4 @@ def main(argv: list[str] | None = None) -> None:
         conn.recv()  # {"started": pid}
         code = int(conn.recv().get("exit", 255))
     conn.close()
-    sys.exit(code if code >= 0 else 128 - code)
+    return code if code >= 0 else 128 - code

@@ -318,7 +318,7 @@ class HorovodRunner:
                 "lower np or add executors." % (len(sup.started), self.np, self.start_timeout, self._slots_text())
             )
         if sup.cause is not None:
-            raise self._error(sup.cause, channel)
+            raise self._error(sup.cause, channel, sup.failures)
         job = sup.job_ended
         if job is None:
             raise HorovodRunError("The Spark job did not return after it was cut off; see the Spark UI.")
@@ -428,9 +428,9 @@ class HorovodRunner:
             raise HorovodRunError("Rank 0 finished but its return value did not come back.")
         return cloudpickle.loads(result)
 
-    def _error(self, failure: Failure, channel: Channel) -> HorovodRunError:
+    def _error(self, failure: Failure, channel: Channel, others: list[Failure] = ()) -> HorovodRunError:
         """The user's error for ``failure``: who, how it ended, its last lines, then the launcher's words."""
-        tails = channel.tails()
+        tails, cause = channel.tails(), failure
         if failure.rank is not None:
             failure = failure.with_tail(tails.get(failure.rank, []))
             tails[failure.rank] = list(failure.tail)
@@ -442,6 +442,9 @@ class HorovodRunner:
             message += "\n\nLast %d lines of rank %s:\n%s" % (len(failure.tail), failure.rank, "\n".join(failure.tail))
         if failure.launcher_output:
             message += "\n\n%s said:\n%s" % (self.launcher, "\n".join(failure.launcher_output[-40:]))
+        for other in others:  # what the other hosts' daemons said, when they said anything
+            if other is not cause and other.rank is None and other.launcher_output:
+                message += "\n%s" % "\n".join(other.launcher_output[-20:])
         return HorovodRunError(message, rank=failure.rank, host=failure.host, remote_traceback=failure.traceback or None,
                                log_tail=tails)
 

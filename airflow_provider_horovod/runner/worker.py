@@ -18,7 +18,10 @@ import time
 import traceback
 from pathlib import Path
 
-FLUSH_INTERVAL_S = 0.2
+from airflow_provider_horovod.runner.names import MSG_LOGS
+
+FLUSH_INTERVAL_S = 0.2  # how often new lines go to the driver
+FOLLOW_INTERVAL_S = 0.1  # how often the log file is read for new lines (a wake-up beside training: rare)
 
 
 def _rank() -> int:
@@ -31,83 +34,82 @@ def _rank() -> int:
 
 
 class OutputPump:
-    """Redirects fds 1 and 2 into a pipe; a thread copies lines to the old stdout and the driver."""
+    """The rank's fds 1 and 2 write straight into its log file next to the task (``O_APPEND``), so
+    nothing it printed is lost when it dies abruptly; a thread follows the file and sends the lines
+    to the driver (and, under mpirun, to orted's stdout, as under ``horovodrun``).
 
-    def __init__(self, rank: int, client, stream: bool, copy_to: Path | None = None) -> None:
+    ``stream``: every line is shown in the driver's log; otherwise lines still travel, quietly, so
+    the driver has every rank's last lines for a failure report.
+    """
+
+    def __init__(self, rank: int, client, stream: bool, log_path: Path, forward: bool) -> None:
         self.rank = rank
         self.client = client
         self.stream = stream
         self.tail: collections.deque[str] = collections.deque(maxlen=100)
         self._pending: list[str] = []
         self._lock = threading.Lock()
-        read_fd, write_fd = os.pipe()
-        self._out = os.dup(1)
-        self._err = os.dup(2)
-        # Under mpirun, fd 1 goes to orted; keep a copy next to the task too, for the result rows
-        # when the driver cannot be reached. (Gloo ranks' fd 1 is that file already.)
-        self._copy = os.open(copy_to, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if copy_to else None
+        self._closing = threading.Event()
+        self._forward = os.dup(1) if forward else None
         sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(write_fd, 1)
-        os.dup2(write_fd, 2)
-        os.close(write_fd)
+        if forward:  # under mpirun fd 1 is orted's pipe; a Gloo rank's fds 1 and 2 are the file already
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
-        self._reader = threading.Thread(target=self._read, args=(read_fd,), daemon=True)
+        self._file = open(log_path, "rb")  # noqa: SIM115 - read by the follower thread until close()
+        self._reader = threading.Thread(target=self._follow, daemon=True)
         self._reader.start()
-        self._flusher = threading.Thread(target=self._flush_loop, daemon=True)
-        self._flusher.start()
 
-    def _read(self, fd: int) -> None:
+    def _follow(self) -> None:
         buf = b""
+        last_flush = time.monotonic()
         while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
+            chunk = self._file.read(65536)
+            if chunk:
+                if self._forward is not None:
+                    with contextlib.suppress(OSError):
+                        os.write(self._forward, chunk)
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    self._line(line)
+            elif self._closing.is_set():
                 if buf:
                     self._line(buf)
                 self._flush()
                 return
-            with contextlib.suppress(OSError):
-                os.write(self._out, chunk)
-            if self._copy is not None:
-                with contextlib.suppress(OSError):
-                    os.write(self._copy, chunk)
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                self._line(line)
+            else:
+                time.sleep(FOLLOW_INTERVAL_S)
+            if time.monotonic() - last_flush >= FLUSH_INTERVAL_S:
+                self._flush()
+                last_flush = time.monotonic()
 
     def _line(self, raw: bytes) -> None:
         line = raw.decode("utf-8", "replace").rstrip("\r")
         with self._lock:
             self.tail.append(line)
-            if self.stream:
-                self._pending.append(line)
+            self._pending.append(line)
 
     def _flush(self) -> None:
         with self._lock:
             lines, self._pending = self._pending, []
         if lines and self.client is not None:
-            self.client.send({"t": "logs", "rank": self.rank, "lines": lines})
-
-    def _flush_loop(self) -> None:
-        while True:
-            time.sleep(FLUSH_INTERVAL_S)
-            self._flush()
+            msg = {"t": MSG_LOGS, "rank": self.rank, "lines": lines}
+            if not self.stream:
+                msg["quiet"] = True
+            self.client.send(msg)
 
     def close(self) -> None:
-        """Drain what was printed so far (bounded wait) and send it; what the interpreter prints
-        while it shuts down (a crash in a destructor, MPI's last words) goes straight to the
-        original stdout/stderr, never into a pipe nobody reads any more."""
+        """Send everything printed so far (bounded wait). What the interpreter prints while it
+        shuts down still lands in the log file, for the host's failure report."""
         sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(self._out, 1)
-        os.dup2(self._err, 2)
+        self._closing.set()
         self._reader.join(1.0)
-        self._flush()
 
 
 def _die(_pid: int) -> None:
@@ -137,10 +139,8 @@ def _setup(rank: int):
     runtime._client = client
     task = names.TaskDir(slot.task_dir)
     under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
-    # Under mpirun, fd 1 goes to orted; keep a copy next to the task for the failure report and
-    # for the result rows when the driver cannot be reached. (A Gloo rank's fd 1 is that file.)
     pump = OutputPump(rank, client, stream=os.environ.get(names.ENV_VERBOSITY, "all") == "all",
-                      copy_to=task.rank_log(rank) if under_mpirun else None)
+                      log_path=task.rank_log(rank), forward=under_mpirun)
     os.environ.update(rank_env(slot, os.environ.get(names.ENV_LAUNCHER, "gloo")))
     os.environ[names.ENV_TASK_DIR] = slot.task_dir
     if os.environ.get(names.ENV_HAS_RESUME) == "1":

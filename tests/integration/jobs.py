@@ -29,6 +29,7 @@ def allreduce_job(tag: str = "x"):
             "controller": "mpi" if hvd.mpi_enabled() and os.environ.get("HOROVOD_CONTROLLER") == "mpi" else "gloo",
             "pid": os.getpid(),
             "ppid": os.getppid(),
+            "orte_tmpdir": os.environ.get("OMPI_MCA_orte_tmpdir_base"),  # from the orted that started the rank
         }
     )
     print("rank %d says hello %s" % (hvd.rank(), tag), flush=True)
@@ -165,3 +166,26 @@ def checkpoint_job(epochs: int = 3, fail_at: int | None = None, in_flight_at_fai
     ancestors = [p.pid for p in psutil.Process().parents()]
     return {"start": start, "resume_seen": seen, "timeline_env": timeline, "rank0_ancestors": ancestors,
             "weights": [p.detach().flatten().tolist() for p in model.parameters()]}
+
+
+def exit_job(victim: int = 1, when: str = "inside", code: int = 3):
+    """Rank ``victim`` prints a few lines, then ends with ``code`` without raising: inside the
+    function (``os._exit``) or while its interpreter shuts down after the function returned."""
+    import atexit
+
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    hvd.allreduce(torch.ones(1))
+    if hvd.rank() == victim:
+        for i in range(3):
+            print("victim line %d" % i, flush=True)
+        if when == "inside":
+            os._exit(code)
+        atexit.register(os._exit, code)  # runs after the function returned and the result was written
+        return "returned"
+    if when == "inside":
+        while True:  # the others wait in a collective that never completes
+            hvd.allreduce(torch.ones(1))
+    return "returned"

@@ -62,6 +62,14 @@ def test_mpirun_reaches_the_second_executor_through_the_exec_service(cluster_run
     assert ranks[0]["pid"] != ranks[1]["pid"]
 
 
+def test_two_daemons_on_one_machine_never_share_an_open_mpi_session_directory(cluster_runs):
+    # Both executors run on this machine: each orted must have a session directory of its own, or
+    # their setup races (mpirun: "ORTE was unable to reliably start one or more daemons").
+    dirs = [r["orte_tmpdir"] for r in cluster_runs["mpirun"]["result"]["ranks"]]
+    assert None not in dirs and len(set(dirs)) == 2
+    assert not any(os.path.exists(d) for d in dirs)  # removed with the task
+
+
 def test_checkpoint_is_pulled_from_an_executor_outside_the_drivers_process_tree(cluster_runs):
     import torch
 

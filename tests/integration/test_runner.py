@@ -47,7 +47,10 @@ def test_two_ranks_return_rank_zeros_value(spark, launcher):
     # local[2]: one executor, so one host with two local ranks
     assert [(r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) for r in ranks] == [(0, 2, 0, 1), (1, 2, 0, 1)]
     assert {r["controller"] for r in ranks} == {"mpi" if launcher == "mpirun" else "gloo"}
-    assert runner.last_run["result"] == result
+    assert runner.last_run["result"] == result == runner.last_run.result
+    assert runner.last_run.coordination == "channel"  # no Spark allGather/barrier on the way
+    assert runner.last_run.status == "success" and runner.last_run.np == 2
+    assert 0 < runner.last_run.phases["facts"] <= runner.last_run.phases["start"] < runner.last_run.phases["released"]
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
@@ -110,6 +113,20 @@ def test_rank_killed_with_sigkill_ends_the_run(spark, launcher):
     assert "SIGKILL" in str(info.value) or "signal 9" in str(info.value)
 
 
+@pytest.mark.parametrize("when", ["inside", "shutdown"])
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_a_rank_that_exits_without_raising_is_named_with_its_exit_code_and_last_lines(spark, launcher, when):
+    runner = HorovodRunner(2, launcher=launcher, spark=spark, driver_log_verbosity="log_callback_only")
+    with pytest.raises(HorovodRunError) as info:
+        runner.run(jobs.exit_job, victim=1, when=when, code=3)
+    err, text = info.value, str(info.value)
+    assert err.rank == 1 and err.host == "hvdhost0"
+    assert text.startswith("Rank 1 on host hvdhost0 (executor ")  # the rank first; mpirun's words may follow
+    assert "exited with code 3" in text
+    assert "victim line 2" in text and err.log_tail[1][-1] == "victim line 2"  # its last lines, not streamed
+    assert runner.last_run.error["rank"] == 1 and runner.last_run.status == "failed"
+
+
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
 def test_rank_that_hangs_after_another_failed_is_ended(spark, launcher):
     started = time.monotonic()
@@ -129,6 +146,24 @@ def test_cancel_mid_training_interrupts_the_job_and_leaves_no_process(spark, lau
     assert len(errors) == 1 and isinstance(errors[0], RunCancelledError)
     assert wait_no_run_processes(10.0 - (time.monotonic() - cancelled_at) + 2) == []
     assert spark.sparkContext.statusTracker().getActiveJobsIds() == []
+
+
+def test_without_logging_configured_rank_lines_go_to_stdout_tagged_with_rank(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("from airflow_provider_horovod import HorovodRunner\n"
+            "from tests.integration import jobs\n"
+            "print('RESULT', HorovodRunner(-2, launcher='gloo').run(jobs.log_job))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "[rank 0] plain print from rank 0" in lines and "[rank 1] callback from rank 1" in lines
+    assert lines[-1] == "RESULT (0, 2)"
 
 
 def test_unpicklable_kwarg_fails_before_any_spark_job(spark):
@@ -272,8 +307,9 @@ def test_without_a_reachable_driver_logs_and_errors_come_back_with_the_stage(spa
 
     monkeypatch.setattr(Channel, "start", lambda self, host: None)
     caplog.set_level(logging.INFO, logger="airflow_provider_horovod.ranks")
-    result = HorovodRunner(2, launcher=launcher, spark=spark).run(jobs.allreduce_job, tag="no-channel")
-    assert result["sum"] == 3.0
+    runner = HorovodRunner(2, launcher=launcher, spark=spark)
+    result = runner.run(jobs.allreduce_job, tag="no-channel")
+    assert result["sum"] == 3.0 and runner.last_run.coordination == "spark"
     assert "[rank 1] rank 1 says hello no-channel" in caplog.text
     with pytest.raises(HorovodRunError) as info:
         HorovodRunner(2, launcher=launcher, spark=spark).run(jobs.failing_job, fail_rank=1)

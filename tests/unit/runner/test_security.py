@@ -192,3 +192,13 @@ def test_orted_command_is_split_without_a_shell():
     assert orted_argv(words) == ["orted", "-mca", "orte_hnp_uri", "123.0;tcp://127.0.0.1:5000", "-mca", "plm", "rsh"]
     with pytest.raises(ValueError, match="other than orted"):
         orted_argv(["rm", "-rf", "/"])
+
+
+def test_each_exec_service_gives_its_orted_a_session_directory_of_its_own():
+    first = ExecService("127.0.0.1", SECRET, {"PATH": os.environ["PATH"]}, os.getpid())
+    second = ExecService("127.0.0.1", SECRET, {"PATH": os.environ["PATH"]}, os.getpid())
+    dirs = [svc._env["OMPI_MCA_orte_tmpdir_base"] for svc in (first, second)]
+    assert dirs[0] != dirs[1] and all(os.path.isdir(d) for d in dirs)
+    first.close()
+    second.close()
+    assert not any(os.path.exists(d) for d in dirs)

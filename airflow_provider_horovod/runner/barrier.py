@@ -14,7 +14,6 @@ import os
 import platform
 import shutil
 import socket
-import tempfile
 from typing import Any
 
 from airflow_provider_horovod.runner import names, procs
@@ -245,7 +244,8 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
     partition = ctx.partitionId()
     executor = ctx.getTaskInfos()[partition].address
     address = _reachable_address(executor)
-    task = TaskDir(tempfile.mkdtemp(prefix="hvdrunner-%s-p%d-" % (spec.run_id, partition)))
+    names.sweep_orphans()
+    task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "p%d" % partition, os.getpid())))
     client = ChannelClient(spec.channel, spec.secret, on_lost=lambda: abort_task(task), on_stop=procs.kill_all)
     coordinator = ChannelCoordinator(client, partition) if client.connected else SparkCoordinator(ctx)
     client.send({"t": names.MSG_HELLO, "partition": partition, "executor": executor})
@@ -287,7 +287,7 @@ def run_local(spec: RunSpec, np: int) -> bytes:
     from airflow_provider_horovod.runner.gloo import Rendezvous
     from airflow_provider_horovod.runner.mpi import mpirun_argv
 
-    task = TaskDir(tempfile.mkdtemp(prefix="hvdrunner-%s-local-" % spec.run_id))
+    task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "local", os.getpid())))
     rendezvous = None
     try:
         missing = missing_programs(spec)

@@ -37,5 +37,11 @@ class Rendezvous:
         )
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        """Stop serving without waiting: ``shutdown()`` returns only when the serving loop next
+        looks (every 0.5 s), and the task need not wait for that to return its rows."""
+
+        def stop_now() -> None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+
+        threading.Thread(target=stop_now, name="hvdrunner-rendezvous-stop", daemon=True).start()

@@ -16,14 +16,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from airflow_provider_horovod.runner import procs, wire
 from airflow_provider_horovod.runner.host import WORKER
-from airflow_provider_horovod.runner.names import TaskDir
+from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, TaskDir, new_temp_dir
 from airflow_provider_horovod.runner.plan import Plan
 
 
@@ -61,7 +60,7 @@ class ExecService:
         # mkdir ("File exists"), on PMIx's shared store and on the shared hwloc topology (orted
         # SIGSEGV in hwloc_shmem_topology_write), and mpirun says "ORTE was unable to reliably
         # start one or more daemons" (1 launch in 10 under load here; none with this).
-        self._session_dir = Path(tempfile.mkdtemp(prefix="hvdo-"))
+        self._session_dir = new_temp_dir(SESSION_DIR_PREFIX % watch_pid)
         self._env = {**env, "OMPI_MCA_orte_tmpdir_base": str(self._session_dir)}
         self._watch_pid = watch_pid
         self._on_launch = on_launch

@@ -6,6 +6,11 @@ task folder (one per barrier task, or one for ``np < 0``), and the message types
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 # -- the environment of every rank process ------------------------------------------------------
@@ -54,6 +59,36 @@ SCRATCH_DIR = "scratch-rank-%d"  # every other rank's: thrown away
 RESUME_DIR = "resume"  # the host's copy of resume_from (in its first task's folder)
 CHECKPOINTS_DIR = "checkpoints"
 TIMELINE_FILE = "timeline.json"
+
+
+# Temporary folders are named after the process that owns them, so a later task can remove those
+# whose owner died without cleaning up (a Python worker killed with its executor, SIGKILL).
+TASK_DIR_PREFIX = "hvdrunner-%s-%s-%d-"  # run id, "p<partition>" or "local", owner pid
+SESSION_DIR_PREFIX = "hvdo-%d-"  # an orted's Open MPI session directory; owner pid (kept short)
+_OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+-(?:p\d+|local)|hvdo)-(\d+)-")
+
+
+def new_temp_dir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def sweep_orphans(root: str | None = None) -> list[str]:
+    """Remove this user's task and session folders whose owning process is gone; return their names."""
+    import psutil
+
+    root = root or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            found = _OWNED.match(entry.name)
+            if found is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or psutil.pid_exists(int(found.group(1))):
+                    continue
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.name)
+    return removed
 
 
 class TaskDir:

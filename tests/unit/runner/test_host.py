@@ -78,3 +78,19 @@ def test_rank_processes_get_neither_a_drivers_horovod_contract_nor_sparks_worker
     assert "HOROVOD_RANK" not in env and "PYTHON_WORKER_FACTORY_SECRET" not in env
     assert env["USER_VAR"] == "1" and env[names.ENV_LAUNCHER] == "mpirun"
     assert env[names.ENV_PLAN] == str(tmp_path / names.PLAN_FILE)
+
+
+def test_folders_of_a_dead_owner_are_swept_and_a_live_owners_are_kept(tmp_path):
+    import os
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    mine = names.TASK_DIR_PREFIX % ("abc123", "p0", os.getpid())
+    orphan_task = names.TASK_DIR_PREFIX % ("abc123", "p1", dead.pid)
+    orphan_session = names.SESSION_DIR_PREFIX % dead.pid
+    for name in (mine + "x", orphan_task + "y", orphan_session + "z", "unrelated-%d-" % dead.pid):
+        (tmp_path / name).mkdir()
+    removed = names.sweep_orphans(str(tmp_path))
+    assert sorted(removed) == sorted([orphan_task + "y", orphan_session + "z"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine + "x", "unrelated-%d-" % dead.pid])

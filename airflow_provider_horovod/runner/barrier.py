@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import socket
+import traceback
 from typing import Any
 
 from airflow_provider_horovod.runner import names, procs
@@ -263,6 +264,12 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
             failure = launch(spec, plan, partition, task, env, services, client)
         except Stopped:
             pass
+        except Exception as err:  # noqa: BLE001 - with the channel, the driver hears it as this task's report
+            if not client.connected:
+                raise
+            failure = err.failure if isinstance(err, TaskFailure) else Failure(
+                "The barrier task of partition %d (executor %s) failed: %s: %s" % (partition, executor, type(err).__name__, err),
+                executor=executor, exception="%s: %s" % (type(err).__name__, err), traceback=traceback.format_exc())
         mine = [s for s in plan.slots if s.partition == partition] if plan else []
         if any(s.rank == 0 for s in mine):
             upload_artifacts(spec, task)  # after a failure too: the last good checkpoint matters
@@ -272,8 +279,7 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
         if any(s.rank == 0 for s in mine) and task.result.exists():
             rows += to_json_rows(partition, "result", task.result.read_bytes(), RESULT_CHUNK)
         if not client.connected:
-            logs = {s.rank: lines for s in mine for lines in [rank_tails([s]).get(str(s.rank), [])]}
-            rows += to_json_rows(partition, "logs", json.dumps(logs).encode(), RESULT_CHUNK)
+            rows += to_json_rows(partition, "logs", json.dumps(rank_tails(mine)).encode(), RESULT_CHUNK)
         return rows
     finally:
         if services is not None:

@@ -29,7 +29,7 @@ from airflow_provider_horovod.runner.host import (
     rank_tails,
     run_ranks,
     tail,
-    to_json_rows,
+    result_rows,
     upload_artifacts,
 )
 from airflow_provider_horovod.runner.names import TaskDir
@@ -277,9 +277,9 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
         coordinator.finish(failure, rank_tails(mine) if failed else {})
         rows: list[dict[str, Any]] = []
         if any(s.rank == 0 for s in mine) and task.result.exists():
-            rows += to_json_rows(partition, "result", task.result.read_bytes(), RESULT_CHUNK)
+            rows += result_rows(partition, "result", task.result.read_bytes(), RESULT_CHUNK)
         if not client.connected:
-            rows += to_json_rows(partition, "logs", json.dumps(rank_tails(mine)).encode(), RESULT_CHUNK)
+            rows += result_rows(partition, "logs", json.dumps(rank_tails(mine)).encode(), RESULT_CHUNK)
         return rows
     finally:
         if services is not None:

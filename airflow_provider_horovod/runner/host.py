@@ -266,7 +266,7 @@ def fetch_resume(spec: RunSpec, dest: Path) -> None:
         conn.close()
 
 
-def to_json_rows(partition: int, kind: str, data: bytes, chunk: int) -> list[dict[str, Any]]:
+def result_rows(partition: int, kind: str, data: bytes, chunk: int) -> list[dict[str, Any]]:
     return [
         {"partition": partition, "kind": kind, "seq": i, "data": data[off : off + chunk]}
         for i, off in enumerate(range(0, max(len(data), 1), chunk))

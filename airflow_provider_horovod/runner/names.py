@@ -97,9 +97,6 @@ class TaskDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
-    def __fspath__(self) -> str:
-        return str(self.path)
-
     payload = property(lambda self: self.path / PAYLOAD_FILE)
     plan = property(lambda self: self.path / PLAN_FILE)
     result = property(lambda self: self.path / RESULT_FILE)

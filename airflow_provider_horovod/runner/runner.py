@@ -32,6 +32,7 @@ from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slo
 from airflow_provider_horovod.runner.supervisor import (
     Action,
     CutOff,
+    Deadlines,
     PlanError,
     Release,
     SendPlan,
@@ -39,7 +40,6 @@ from airflow_provider_horovod.runner.supervisor import (
     Stop,
     Supervisor,
 )
-from airflow_provider_horovod.runner.supervisor import Deadlines
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 from airflow_provider_horovod.runner import procs
 from airflow_provider_horovod.runner.events import (
@@ -262,7 +261,3 @@ class PlanError(Exception):
         self.failure = failure
         super().__init__(failure.message)
 
-
-def summary(sup: Supervisor) -> dict[str, Any]:
-    """What the supervisor decided, for the run report and for logs."""
-    return {"reason": sup.reason, "phase": sup.phase, "finished": sorted(sup.finished), "upload": sup.upload}

@@ -162,11 +162,12 @@ def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
 
     text = traceback.format_exc()
     sys.stderr.write(text)
+    from airflow_provider_horovod.runner.host import where
+
     exception = "%s: %s" % (type(err).__name__, err)
-    where = "Rank %d on host %s (executor %s)" % (rank, slot.hostname, slot.executor) if slot else "Rank %d" % rank
     if pump is not None:
         pump.close()
-    failure = Failure(message="%s failed: %s" % (where, exception), rank=rank, host=getattr(slot, "hostname", None),
+    failure = Failure(message="%s failed: %s" % (where(slot) if slot else "Rank %d" % rank, exception), rank=rank, host=getattr(slot, "hostname", None),
                       executor=getattr(slot, "executor", None), exception=exception, traceback=text,
                       tail=tuple(pump.tail) if pump is not None else ())
     if task is not None:

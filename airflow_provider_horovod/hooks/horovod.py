@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseHook, ObjectStoragePath
 
 from airflow_provider_horovod.exceptions import ArtifactError
-from airflow_provider_horovod.runner.artifacts import CHECKPOINTS, MARKER
+from airflow_provider_horovod.runner.artifacts import CHECKPOINTS, MARKER, TransferError, safe_relative
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -360,17 +360,30 @@ class HorovodRunnerHook(BaseHook):
         return path
 
     def download(self, source: ObjectStoragePath | str, prefix: str = "hvd-resume-") -> str:
-        """Copy a stored checkpoint folder (or file) to a new local temporary folder; return its path."""
+        """Copy a stored checkpoint folder (or file) to a new local temporary folder; return its path.
+
+        Every file lands inside that folder: a name that would leave it is an ``ArtifactError``,
+        and links in a local store are not followed.
+        """
         src = self.storage_path(source) if isinstance(source, str) else source
         if not src.exists():
             raise ArtifactError("Cannot resume from %s: it does not exist." % src)
         local = Path(tempfile.mkdtemp(prefix=prefix))
-        if src.is_file():
-            _download(src, local / src.name)
-            return str(local)
-        for item in src.rglob("*"):
-            if item.is_file():
-                _download(item, local / item.relative_to(src).as_posix())
+        try:
+            if src.is_file():
+                _download(src, local / safe_relative(src.name).as_posix())
+                return str(local)
+            for item in src.rglob("*"):
+                if _is_link(item) or not item.is_file():
+                    continue
+                try:
+                    rel = safe_relative(item.relative_to(src).as_posix())
+                except (TransferError, ValueError) as err:
+                    raise ArtifactError("Cannot resume from %s: %s" % (src, err)) from None
+                _download(item, local.joinpath(*rel.parts))
+        except BaseException:
+            shutil.rmtree(local, ignore_errors=True)
+            raise
         return str(local)
 
 
@@ -378,6 +391,13 @@ def _upload(local: Path, dest: ObjectStoragePath) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with local.open("rb") as src, dest.open("wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def _is_link(path: ObjectStoragePath) -> bool:
+    try:
+        return bool(path.is_symlink())
+    except (NotImplementedError, OSError, AttributeError):
+        return False  # object stores have no links
 
 
 def _download(src: ObjectStoragePath, local: Path) -> None:

@@ -18,6 +18,7 @@ checkpoint being written when the run fails is never offered as complete.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hmac
 import html
@@ -26,12 +27,13 @@ import os
 import queue
 import secrets
 import shutil
+import stat
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from airflow_provider_horovod.exceptions import ArtifactError
@@ -70,42 +72,140 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
     return target
 
 
+# -- walking a folder without following links ----------------------------------------------------
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_OPEN_DIR = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_dir(path: Path) -> int:
+    """A descriptor of the folder ``path`` itself: never of what a link there points to."""
+    return os.open(path, _OPEN_DIR)
+
+
+def finished_files(root_fd: int, *, owner: int | None = None) -> Iterator[tuple[str, int]]:
+    """``(relative path, open descriptor)`` of every finished regular file under the folder
+    ``root_fd``, in a stable order. Links are never followed (a link, a FIFO, a device is skipped),
+    and with ``owner`` only files that user owns are opened. The caller closes each descriptor."""
+    for dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=root_fd, follow_symlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if not in_progress(d))
+        for name in sorted(filenames):
+            if in_progress(name):
+                continue
+            try:
+                fd = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
+            except OSError:
+                continue  # a link (ELOOP), or removed while we looked
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (owner is not None and st.st_uid != owner):
+                os.close(fd)
+                continue
+            os.set_blocking(fd, True)
+            yield os.path.normpath(os.path.join(dirpath, name)), fd
+
+
+def _tree_fd(root: Path | None) -> int | None:
+    if root is None:
+        return None
+    try:
+        return open_dir(root)
+    except OSError:
+        return None  # not there (nothing was written), or a link: nothing to send
+
+
 # -- streaming ------------------------------------------------------------------------------------
-def finished_files(root: Path | None) -> list[Path]:
-    """Every file under ``root`` that is not still being written, in a stable order."""
-    files = []
-    if root is not None and root.is_dir():
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if not in_progress(d))
-            files += [Path(dirpath) / name for name in sorted(filenames) if not in_progress(name)]
-    return files
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The most one transfer may bring: a full disk on the driver is not the run's to cause."""
+
+    max_bytes: int = 1 << 40
+    max_files: int = 100_000
 
 
 def send_tree(conn, root: Path | None) -> int:
     """Send every finished file under ``root``; return how many bytes were sent."""
-    sent = 0
-    files = finished_files(root)
-    for path in files:
-        try:
-            f = path.open("rb")
-        except OSError:
-            continue  # removed while we looked
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            conn.send({"file": path.relative_to(root).as_posix(), "size": size})
-            buf = bytearray(min(CHUNK, max(size, 1)))
-            view = memoryview(buf)
+    sent = count = 0
+    root_fd = _tree_fd(root)
+    try:
+        for rel, fd in (finished_files(root_fd) if root_fd is not None else ()):
+            with os.fdopen(fd, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                conn.send({"file": rel, "size": size})
+                count += 1
+                buf = bytearray(min(CHUNK, max(size, 1)))
+                view = memoryview(buf)
+                left = size
+                while left > 0:
+                    n = f.readinto(view[: min(CHUNK, left)])
+                    if not n:  # truncated under us: keep the promised size
+                        n = min(CHUNK, left)
+                        view[:n] = bytes(n)
+                    conn.send_bytes(view[:n])
+                    left -= n
+                    sent += n
+    finally:
+        if root_fd is not None:
+            os.close(root_fd)
+    conn.send({"end": True, "files": count})
+    return sent
+
+
+class TransferError(ValueError):
+    """The sending side broke the transfer protocol, or went past a limit."""
+
+
+def safe_relative(name: Any) -> PurePosixPath:
+    """``name`` as a relative path that stays inside its folder; ``TransferError`` otherwise."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise TransferError("refusing a file name that is empty or not plain text: %r" % (name,))
+    rel = PurePosixPath(name)
+    if rel.is_absolute() or any(part in ("", ".", "..") for part in name.split("/")):
+        raise TransferError("refusing a file outside the artifact folder: %r" % (name,))
+    return rel
+
+
+def receive_tree(conn, dest: Path, limits: Limits = Limits()) -> list[dict[str, Any]]:
+    """Receive what ``send_tree`` sends into ``dest``; files appear only when whole.
+
+    Every name must stay inside ``dest``, every file must be exactly its declared size, and the
+    transfer must stay inside ``limits``; anything else is a ``TransferError``.
+    """
+    received = []
+    total = 0
+    dest.mkdir(parents=True, exist_ok=True)
+    writer = _FileWriter()
+    try:
+        while True:
+            head = conn.recv()
+            if head.get("end") is True:
+                writer.finish()
+                return received
+            rel = safe_relative(head.get("file"))
+            size = head.get("size")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise TransferError("refusing %s: its size %r is not a byte count" % (rel, size))
+            if len(received) + 1 > limits.max_files:
+                raise TransferError("rank 0's artifacts hold more than %d files (max_artifact_files); keep fewer "
+                                    "files in the checkpoint folder or raise the limit" % limits.max_files)
+            total += size
+            if total > limits.max_bytes:
+                raise TransferError("rank 0's artifacts are larger than %d bytes (max_artifact_bytes); keep smaller "
+                                    "checkpoints or raise the limit" % limits.max_bytes)
+            target = dest.joinpath(*rel.parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(target.name + ".partial")
+            writer.put("open", partial)
             left = size
             while left > 0:
-                n = f.readinto(view[: min(CHUNK, left)])
-                if not n:  # truncated under us: keep the promised size
-                    n = min(CHUNK, left)
-                    view[:n] = bytes(n)
-                conn.send_bytes(view[:n])
-                left -= n
-                sent += n
-    conn.send({"end": True, "files": len(files)})
-    return sent
+                chunk = conn.recv_bytes()
+                if len(chunk) > left:
+                    raise TransferError("%s is larger than the %d bytes it declared" % (rel, size))
+                writer.put("write", chunk)
+                left -= len(chunk)
+            writer.put("close", (partial, target))
+            received.append({"path": rel.as_posix(), "size": size})
+    except BaseException:
+        writer.stop()
+        raise
 
 
 class _FileWriter:
@@ -162,64 +262,91 @@ class _FileWriter:
         self._thread.join()
 
 
-def receive_tree(conn, dest: Path) -> list[dict[str, Any]]:
-    """Receive what ``send_tree`` sends into ``dest``; files appear only when whole."""
-    received = []
-    dest.mkdir(parents=True, exist_ok=True)
-    writer = _FileWriter()
-    try:
-        while True:
-            head = conn.recv()
-            if head.get("end"):
-                writer.finish()
-                return received
-            rel = Path(head["file"])
-            if rel.is_absolute() or ".." in rel.parts:
-                raise ValueError("refusing a file outside the artifact folder: %s" % rel)
-            target = dest / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(target.name + ".partial")
-            writer.put("open", partial)
-            left = int(head["size"])
-            while left > 0:
-                chunk = conn.recv_bytes()
-                writer.put("write", chunk)
-                left -= len(chunk)
-            writer.put("close", (partial, target))
-            received.append({"path": rel.as_posix(), "size": int(head["size"])})
-    except BaseException:
-        writer.stop()
-        raise
-
-
 # -- same-host copy -------------------------------------------------------------------------------
+# The side with the files writes a random token into a new private file next to them and sends
+# the file's path and the token; the taker copies the files itself only if it reads that token
+# there, from a regular file it owns, in a folder it owns that only it can read. A taker that sees
+# the same files as the same user could have been sent them anyway: nothing is gained by lying.
+PROOF_PREFIX = "offer-"
+
+
 def make_offer(root: Path, proof_dir: Path) -> dict[str, str]:
-    """Offer ``root`` to a driver that may see it: a random token in a file only this user can read."""
+    """Offer ``root`` to a taker that may see it: a random token in a file only this user can read."""
     token = secrets.token_hex(32)
-    proof = proof_dir / ("offer-%s" % secrets.token_hex(8))
-    fd = os.open(proof, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    proof = proof_dir / ("%s%s" % (PROOF_PREFIX, secrets.token_hex(8)))
+    fd = os.open(proof, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
     return {"root": str(root.absolute()), "proof": str(proof.absolute()), "token": token}
 
 
-def verify_offer(offer: Any) -> Path | None:
-    """The offered folder if this process reads the offer's token at its path; else ``None``."""
+def _private_dir(path: str) -> int | None:
+    """A descriptor of ``path`` if it is a folder (not a link) this user owns and only it can enter."""
+    try:
+        fd = open_dir(Path(path))
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _read_proof(dir_fd: int, name: str, token: str) -> bool:
+    try:
+        fd = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 or st.st_size != len(token):
+            return False
+        seen = os.read(fd, len(token) + 1)
+    finally:
+        os.close(fd)
+    return hmac.compare_digest(seen, token.encode())
+
+
+def verify_offer(offer: Any, *, root_ok: Callable[[Path], bool] = lambda root: True,
+                 proof_beside_root: bool = False) -> Path | None:
+    """The offered folder if this process reads the offer's token at its proof path; else ``None``.
+
+    ``root_ok``: which folders this taker accepts at all. ``proof_beside_root``: the proof must be
+    in the folder that holds ``root`` (a barrier task's own folder), which must be private to
+    this user, as must ``root``.
+    """
     if not isinstance(offer, dict):
         return None
     root, proof, token = offer.get("root"), offer.get("proof"), offer.get("token")
     if not (isinstance(root, str) and isinstance(proof, str) and isinstance(token, str)) or len(token) < 32:
         return None
-    if not (os.path.isabs(root) and os.path.isabs(proof)):
+    if not (os.path.isabs(root) and os.path.isabs(proof)) or "\0" in root + proof + token:
+        return None
+    root_path, proof_path = Path(os.path.normpath(root)), Path(os.path.normpath(proof))
+    if not proof_path.name.startswith(PROOF_PREFIX) or not root_ok(root_path):
+        return None
+    if proof_beside_root and proof_path.parent != root_path.parent:
+        return None
+    folder = _private_dir(str(proof_path.parent)) if proof_beside_root else _open_dir_or_none(proof_path.parent)
+    if folder is None:
         return None
     try:
-        with open(proof, "rb") as f:
-            seen = f.read(len(token) + 1)
+        if not _read_proof(folder, proof_path.name, token):
+            return None
+        if proof_beside_root:
+            with contextlib.suppress(OSError):
+                os.unlink(proof_path.name, dir_fd=folder)  # used once
+    finally:
+        os.close(folder)
+    return root_path
+
+
+def _open_dir_or_none(path: Path) -> int | None:
+    try:
+        return open_dir(path)
     except OSError:
         return None
-    if not hmac.compare_digest(seen, token.encode()):
-        return None
-    return Path(root)
 
 
 def _copy_step(how: str, src: int, dst: int) -> int:
@@ -256,23 +383,32 @@ def _copy_fd(src: int, dst: int, cancelled: Callable[[], bool], progress: Callab
 
 
 def copy_tree(root: Path, dest: Path, *, cancelled: Callable[[], bool] = lambda: False,
-              progress: Callable[[int], None] = lambda done: None) -> list[dict[str, Any]]:
-    """Copy every finished file under ``root`` into ``dest``; files appear only when whole."""
+              progress: Callable[[int], None] = lambda done: None, limits: Limits = Limits(),
+              owner: int | None = None) -> list[dict[str, Any]]:
+    """Copy every finished regular file under ``root`` into ``dest`` (links are never followed;
+    with ``owner``, only that user's files); files appear only when whole."""
     received = []
+    total = 0
     dest.mkdir(parents=True, exist_ok=True)
-    for path in finished_files(root):
-        rel = path.relative_to(root)
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(target.name + ".partial")
-        try:
-            src = path.open("rb")
-        except FileNotFoundError:
-            continue  # removed while we looked
-        with src, partial.open("wb") as out:
-            size = _copy_fd(src.fileno(), out.fileno(), cancelled, progress)
-        os.replace(partial, target)
-        received.append({"path": rel.as_posix(), "size": size})
+    root_fd = _tree_fd(root)
+    if root_fd is None:
+        return received
+    try:
+        for rel, fd in finished_files(root_fd, owner=owner):
+            with os.fdopen(fd, "rb") as src:
+                total += os.fstat(src.fileno()).st_size
+                if len(received) + 1 > limits.max_files or total > limits.max_bytes:
+                    raise TransferError("rank 0's artifacts are past the limit of %d files / %d bytes "
+                                        "(max_artifact_files / max_artifact_bytes)" % (limits.max_files, limits.max_bytes))
+                target = dest / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                partial = target.with_name(target.name + ".partial")
+                with partial.open("wb") as out:
+                    size = _copy_fd(src.fileno(), out.fileno(), cancelled, progress)
+            os.replace(partial, target)
+            received.append({"path": PurePosixPath(rel).as_posix(), "size": size})
+    finally:
+        os.close(root_fd)
     return received
 
 
@@ -295,17 +431,22 @@ def offer_tree(conn, root: Path | None, proof_dir: Path | None) -> None:
 
 
 def take_tree(conn, dest: Path, *, allow_copy: bool = True, cancelled: Callable[[], bool] = lambda: False,
-              chosen: Callable[[str], None] = lambda mode: None) -> tuple[str, list[dict[str, Any]]]:
+              chosen: Callable[[str], None] = lambda mode: None, root_ok: Callable[[Path], bool] | None = None,
+              limits: Limits = Limits()) -> tuple[str, list[dict[str, Any]]]:
     """The side that wants the files: copy them if the offer proves this process sees them, else
-    have them streamed. ``chosen`` hears the way taken before any file moves. Returns the way and
-    the files; the receipt is the caller's to send."""
+    have them streamed. ``root_ok``: the folders this side accepts to copy from, whose proof must
+    lie beside them (the driver taking a task's artifacts); without it, any folder the offer
+    proves. ``chosen`` hears the way taken before any file moves. Returns the way and the files;
+    the receipt is the caller's to send."""
     offer = conn.recv().get("offer")
-    local = verify_offer(offer) if allow_copy else None
+    local = None
+    if allow_copy:
+        local = verify_offer(offer, root_ok=root_ok, proof_beside_root=True) if root_ok else verify_offer(offer)
     mode = "copy" if local is not None else "stream"
     chosen(mode)
     conn.send({"mode": mode})
     if local is None:
-        return mode, receive_tree(conn, dest)
+        return mode, receive_tree(conn, dest, limits)
     beat = [time.monotonic()]
 
     def heartbeat(_done: int) -> None:  # the offering side waits for the receipt meanwhile
@@ -313,7 +454,7 @@ def take_tree(conn, dest: Path, *, allow_copy: bool = True, cancelled: Callable[
             conn.send({"copying": True})
             beat[0] = time.monotonic()
 
-    return mode, copy_tree(local, dest, cancelled=cancelled, progress=heartbeat)
+    return mode, copy_tree(local, dest, cancelled=cancelled, progress=heartbeat, limits=limits, owner=os.geteuid())
 
 
 # -- timeline -------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import socket
 import traceback
 from typing import Any
 
-from airflow_provider_horovod.runner import names, procs
+from airflow_provider_horovod.runner import names, procs, wire
 from airflow_provider_horovod.runner.channel import ChannelClient
 from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.host import (
@@ -25,6 +25,8 @@ from airflow_provider_horovod.runner.host import (
     base_env,
     exit_text,
     fetch_resume,
+    hand_over_key,
+    hand_over_rank_keys,
     missing_programs,
     rank_tails,
     run_ranks,
@@ -193,6 +195,9 @@ def prepare(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: 
     """Before any rank starts: the plan on disk, resume_from on this host, the rendezvous told the plan."""
     task.plan.write_text(plan.to_json())
     slot = plan.for_partition(partition)
+    hand_over_rank_keys(spec, [s for s in plan.slots if s.partition == partition])
+    if services.exec_service is not None:
+        services.exec_service.expect(plan, partition)
     if spec.has_resume and plan.host_leader(slot.hostname).partition == partition:
         if spec.channel is None:
             raise TaskFailure(Failure("resume_from needs the executors to reach the driver, and they cannot here. Put "
@@ -237,7 +242,12 @@ def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[s
     env = dict(env)
     env[names.ENV_EXEC_SERVICES] = json.dumps({name: "%s:%d" % (s.address, s.service_port) for name, s in leaders.items()})
     argv = mpirun_argv(plan, agent=write_agent(task), iface=slot.iface)
-    return run_ranks(spec, plan, [slot], task, env, mpirun=argv)
+    hand_over_key(task.exec_key, wire.role_key(spec.secret, wire.ROLE_EXEC))
+    try:
+        return run_ranks(spec, plan, [slot], task, env, mpirun=argv)
+    finally:
+        with contextlib.suppress(OSError):
+            task.exec_key.unlink()
 
 
 def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
@@ -247,7 +257,7 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
     address = _reachable_address(executor)
     names.sweep_orphans()
     task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "p%d" % partition, os.getpid())))
-    client = ChannelClient(spec.channel, spec.secret, on_lost=lambda: abort_task(task), on_stop=procs.kill_all)
+    client = ChannelClient(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), on_lost=lambda: abort_task(task), on_stop=procs.kill_all)
     coordinator = ChannelCoordinator(client, partition) if client.connected else SparkCoordinator(ctx)
     client.send({"t": names.MSG_HELLO, "partition": partition, "executor": executor})
     services = None
@@ -305,6 +315,7 @@ def run_local(spec: RunSpec, np: int) -> bytes:
         plan = make_plan(facts)
         task.plan.write_text(plan.to_json())
         task.payload.write_bytes(spec.payload)
+        hand_over_rank_keys(spec, list(plan.slots))
         env = base_env(spec, task)
         if spec.launcher == "gloo":
             rendezvous = Rendezvous("127.0.0.1")

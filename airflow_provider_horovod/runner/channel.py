@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.runner import names, wire
+from airflow_provider_horovod.runner.artifacts import Limits, TransferError, offer_tree, take_tree
 from airflow_provider_horovod.runner.events import (
     Event,
     FactsReported,
@@ -47,9 +48,21 @@ rank_log = logging.getLogger("airflow_provider_horovod.ranks")
 TAIL_LINES = 100
 
 
+# A rank's line is shown as one line: a newline, a carriage return or an escape sequence in it
+# (sent by a rank, or printed by the training code) must not start a record of its own in the log.
+_CONTROL = {c: "\\x%02x" % c for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if c != 0x09}
+_CONTROL.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def one_line(line: Any) -> str:
+    """``line`` with every control character escaped, so it stays one record of the log."""
+    return (line if isinstance(line, str) else str(line)).translate(_CONTROL)
+
+
 class RankOutput:
     """Where rank lines go on the driver: the ``airflow_provider_horovod.ranks`` logger when logging
-    is set up (Airflow's task log), else the driver's stdout (a notebook, a script)."""
+    is set up (Airflow's task log), else the driver's stdout (a notebook, a script). Control
+    characters are escaped (``one_line``)."""
 
     def __init__(self, *, stream_all: bool) -> None:
         self.stream_all = stream_all
@@ -59,11 +72,20 @@ class RankOutput:
         if not (self.stream_all or callback):
             return
         if self.to_stdout:
-            sys.stdout.write("".join("[rank %d] %s\n" % (rank, line) for line in lines))
+            sys.stdout.write("".join("[rank %d] %s\n" % (rank, one_line(line)) for line in lines))
             sys.stdout.flush()
         else:
             for line in lines:
-                rank_log.info("[rank %d] %s", rank, line)
+                rank_log.info("[rank %d] %s", rank, one_line(line))
+
+
+# What each role may say: a rank process only reports its output and its failure.
+_ALLOWED = {
+    wire.ROLE_RANK: {names.MSG_LOGS, names.MSG_ERROR, names.MSG_EVENT},
+    wire.ROLE_TASK: {names.MSG_HELLO, names.MSG_FACTS, names.MSG_READY, names.MSG_FINISHED, names.MSG_ERROR,
+                     names.MSG_EVENT, names.MSG_LOGS, names.MSG_PUT, names.MSG_FETCH_RESUME},
+}
+TRANSFER_TIMEOUT_S = 60.0  # a transfer's peer sends a frame or a heartbeat well within this
 
 
 class Channel:
@@ -73,12 +95,17 @@ class Channel:
         self,
         secret: bytes,
         *,
+        run_id: str = "",
         on_event: Callable[[Event], None] = lambda event: None,
         output: Callable[..., None] | None = None,
         artifact_staging: Path | None = None,
         resume_root: Path | None = None,
+        limits: Limits = Limits(),
     ) -> None:
-        self._secret = secret
+        self._keys = wire.server_keys(secret, wire.ROLE_TASK, wire.ROLE_RANK)
+        self._run_id = run_id
+        self._limits = limits
+        self._artifacts_task_dir: Path | None = None
         self._on_event = on_event
         self._output = output or RankOutput(stream_all=True)
         self._artifact_staging = artifact_staging
@@ -110,8 +137,17 @@ class Channel:
             log.info("Not listening for the barrier tasks on %s (%s); Spark's allGather coordinates them", host, err)
             return None
         self.address = (host, self._listener.getsockname()[1])
-        wire.serve(self._listener, self._secret, self._serve, "hvdrunner-channel")
+        wire.serve(self._listener, self._keys, self._serve, "hvdrunner-channel", on_reject=self._rejected)
         return self.address
+
+    def _rejected(self, err: BaseException) -> None:
+        with self._lock:
+            self.rejected += 1
+        log.warning("Refused a connection to the driver's channel: %s", err)
+
+    def expect_artifacts_from(self, task_dir: str | Path) -> None:
+        """Rank 0's task folder, from the plan: the only folder the driver will copy artifacts from."""
+        self._artifacts_task_dir = Path(task_dir)
 
     def close(self) -> None:
         """Stop listening and hang up on every client; tasks still running take that as cancel."""
@@ -119,8 +155,7 @@ class Channel:
         if self._proofs is not None:
             shutil.rmtree(self._proofs, ignore_errors=True)
         if self._listener is not None:
-            with contextlib.suppress(OSError):
-                self._listener.close()
+            wire.stop_listening(self._listener)
         with self._lock:
             conns = list(self._conns)
         for conn in conns:
@@ -173,10 +208,13 @@ class Channel:
         with self._lock:
             self._conns.add(conn)
         partition: int | None = None
+        allowed = _ALLOWED[conn.role]
         try:
             while True:
                 msg = conn.recv()
                 kind = msg.get("t")
+                if kind not in allowed:
+                    raise wire.ProtocolError("a %s may not send %r" % (conn.role, kind))
                 if kind == names.MSG_HELLO:
                     partition = int(msg["partition"])
                     with self._lock:
@@ -184,17 +222,18 @@ class Channel:
                     self._emit(TaskStarted(partition, str(msg.get("executor"))))
                 elif kind in (names.MSG_PUT, names.MSG_FETCH_RESUME):
                     # a transfer connection: never sent orders (only tasks' own connections are)
+                    conn.sock.settimeout(TRANSFER_TIMEOUT_S)
                     if kind == names.MSG_PUT:
                         self._receive_artifacts(conn)
                     else:
                         self._send_resume(conn)
                 else:
                     self._handle(msg)
-        except wire.AuthenticationError:
-            with self._lock:
-                self.rejected += 1
-            log.warning("Refused a connection to the driver's channel that was not signed with this run's secret")
-        except (ConnectionError, OSError, ValueError, KeyError, TypeError):
+        except wire.AuthenticationError as err:
+            self._rejected(err)
+        except wire.ProtocolError as err:
+            log.warning("Hung up on a %s that broke the channel's protocol: %s", conn.role, err)
+        except (ConnectionError, OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
         finally:
             with self._lock:
@@ -232,8 +271,6 @@ class Channel:
 
     def _receive_artifacts(self, conn: wire.ServerConnection) -> None:
         """Rank 0's artifacts into the staging folder: copied here if its folder is on this host, else streamed."""
-        from airflow_provider_horovod.runner.artifacts import take_tree
-
         if self._artifact_staging is None:
             conn.recv()  # the offer
             conn.send({"mode": "none"})
@@ -243,9 +280,11 @@ class Channel:
         began = time.monotonic()
         try:
             _mode, self.received = take_tree(conn, self._artifact_staging, allow_copy=self._same_host_copy,
-                                             cancelled=self._closed.is_set, chosen=self._chose)
+                                             cancelled=self._closed.is_set, chosen=self._chose,
+                                             root_ok=self._may_copy_from, limits=self._limits)
             self.upload_seconds = time.monotonic() - began
-        except OSError as err:  # the driver's disk: full, or the folder went away
+        except (OSError, TransferError, wire.ProtocolError) as err:
+            # the driver's disk (full, the folder went away), the task gone, or a transfer that broke the rules
             self.upload_error = err
             self._emit(UploadFinished(error=str(err)))
             with contextlib.suppress(OSError):
@@ -260,9 +299,17 @@ class Channel:
     def _chose(self, mode: str) -> None:
         self.transport = mode
 
-    def _send_resume(self, conn: wire.ServerConnection) -> None:
-        from airflow_provider_horovod.runner.artifacts import offer_tree
+    def _may_copy_from(self, root: Path) -> bool:
+        """Only the ``artifacts`` folder of this run's rank 0 task (the plan's, once there is one)."""
+        task_dir = root.parent
+        if root.name != names.ARTIFACTS_DIR or not self._run_id:
+            return False
+        if self._artifacts_task_dir is not None:
+            return task_dir == self._artifacts_task_dir
+        return any(task_dir.name.startswith(names.TASK_DIR_PREFIX.split("%d")[0] % (self._run_id, where))
+                   for where in ("p0", "local"))
 
+    def _send_resume(self, conn: wire.ServerConnection) -> None:
         proofs = self._proof_dir() if self._same_host_copy and self._resume_root is not None else None
         offer_tree(conn, self._resume_root, proofs)
 
@@ -281,7 +328,7 @@ class ChannelClient:
     def __init__(
         self,
         address: tuple[str, int] | None,
-        secret: bytes,
+        credentials: wire.Credentials,
         *,
         connect_timeout: float = 3.0,
         on_lost: Callable[[], None] | None = None,
@@ -299,7 +346,7 @@ class ChannelClient:
         if address is None:
             return
         try:
-            self._conn = wire.connect(address, secret, timeout=connect_timeout)
+            self._conn = wire.connect(address, credentials, timeout=connect_timeout)
         except OSError:
             self._conn = None
             return

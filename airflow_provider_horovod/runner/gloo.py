@@ -10,17 +10,46 @@ from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPSer
 from airflow_provider_horovod.runner.plan import Plan
 
 
+class _Handler(RendezvousHandler):
+    """Horovod's handler (GET/PUT/DELETE of rendezvous keys) without what it inherits from
+    ``SimpleHTTPRequestHandler``: no file is ever served, ``HEAD`` and other methods are refused."""
+
+    def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+        self.send_status_code(405)
+
+    def translate_path(self, path: str) -> str:
+        return "/nonexistent"  # belt and braces: nothing on disk is reachable through this server
+
+
+class _Server(RendezvousHTTPServer):
+    """Answers only the plan's task addresses (the Gloo rendezvous has no authentication of its own)."""
+
+    allowed: frozenset[str] = frozenset()
+    refused = 0
+
+    def verify_request(self, request, client_address) -> bool:
+        if client_address[0] in self.allowed:
+            return True
+        self.refused += 1
+        return False
+
+
 class Rendezvous:
-    """Horovod's ``RendezvousHTTPServer``, bound to ``host`` only (it has no authentication of its
-    own, so it listens on the task's address and lives only as long as the task)."""
+    """Horovod's ``RendezvousHTTPServer``, bound to ``host`` only, answering only the hosts of the
+    plan once ``init`` has it (nobody before), and living only as long as the task."""
 
     def __init__(self, host: str) -> None:
-        self._httpd = RendezvousHTTPServer((host, 0), RendezvousHandler, 0)
+        self._httpd = _Server((host, 0), _Handler, 0)
         self.port: int = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="hvdrunner-rendezvous", daemon=True)
         self._thread.start()
 
+    @property
+    def refused(self) -> int:
+        return self._httpd.refused
+
     def init(self, plan: Plan) -> None:
+        self._httpd.allowed = frozenset(s.address for s in plan.slots)
         self._httpd.init(
             [
                 SlotInfo(

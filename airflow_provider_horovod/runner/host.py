@@ -20,7 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_horovod.runner import names, procs
+from airflow_provider_horovod.runner import names, procs, wire
 from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.plan import Plan, Slot, gloo_env
@@ -50,6 +50,7 @@ class RunSpec:
 
 def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
     """The environment of every process this host starts for the run (values never reach a shell).
+    It holds no key: ranks and the rsh agent read theirs from a private file (``hand_over_key``).
 
     The launcher's contract is what ``horovodrun`` gives that launcher: under mpirun, MPI says who
     is which rank and no ``HOROVOD_RANK`` & co are set (see ``names``).
@@ -61,7 +62,6 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
         {
             names.ENV_PLAN: str(task.plan),
             names.ENV_PAYLOAD: str(task.payload),
-            names.ENV_SECRET: spec.secret.hex(),
             names.ENV_CHANNEL: "%s:%d" % spec.channel if spec.channel else "",
             names.ENV_VERBOSITY: spec.verbosity,
             names.ENV_LAUNCHER: spec.launcher,
@@ -75,6 +75,20 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
     if spec.launcher == "mpirun":
         env.update({"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi"})
     return env
+
+
+def hand_over_key(path: Path, key: bytes) -> None:
+    """Write ``key`` where only this user can read it, for one process to pick up (not in its environ)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.hex())
+
+
+def hand_over_rank_keys(spec: RunSpec, slots: list[Slot]) -> None:
+    """Each rank's channel key (the rank role's: logs and failure reports only) beside its task."""
+    key = wire.role_key(spec.secret, wire.ROLE_RANK)
+    for slot in slots:
+        hand_over_key(TaskDir(slot.task_dir).rank_key(slot.rank), key)
 
 
 def tail(path: Path, n: int = TAIL_LINES) -> list[str]:
@@ -237,13 +251,12 @@ def upload_artifacts(spec: RunSpec, task: TaskDir) -> None:
     The driver copies them itself when it can prove it sees this folder (same host), otherwise
     they are streamed over the channel.
     """
-    from airflow_provider_horovod.runner import wire
     from airflow_provider_horovod.runner.artifacts import offer_tree
 
     if not spec.collect_artifacts or spec.channel is None:
         return
     with contextlib.suppress(OSError, ValueError):
-        conn = wire.connect(spec.channel, spec.secret, timeout=10)
+        conn = wire.connect(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), timeout=10)
         try:
             conn.sock.settimeout(60)  # the driver answers, or sends a heartbeat, well within this
             conn.send({"t": names.MSG_PUT})
@@ -254,11 +267,11 @@ def upload_artifacts(spec: RunSpec, task: TaskDir) -> None:
 
 def fetch_resume(spec: RunSpec, dest: Path) -> None:
     """Copy the driver's ``resume_from`` folder to ``dest`` on this host (in the kernel if this host is the driver's)."""
-    from airflow_provider_horovod.runner import wire
     from airflow_provider_horovod.runner.artifacts import take_tree
 
-    conn = wire.connect(spec.channel, spec.secret, timeout=10)
+    conn = wire.connect(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), timeout=10)
     try:
+        conn.sock.settimeout(60)
         conn.send({"t": names.MSG_FETCH_RESUME})
         _mode, files = take_tree(conn, dest)
         conn.send({"ok": True, "files": len(files)})

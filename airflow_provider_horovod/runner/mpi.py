@@ -4,13 +4,18 @@ Partition 0 runs ``mpirun -mca plm_rsh_agent <agent>`` with one pseudo host name
 For each host Open MPI calls ``<agent> <host> orted <args...>``; the agent connects to the exec
 service of that host's first barrier task (authenticated with the run's secret) and asks it to
 start ``orted``; the service starts it under a reaper that dies with the task. The service starts
-nothing but ``orted``, from an argv list, never through a shell.
+nothing but ``orted``, from an argv list, never through a shell, and only the ``orted`` command
+line this run's own mpirun produces (``check_orted``): known MCA keys with the values mpirun
+was given, the HNP URI pointing at partition 0's task. It launches once, for its own host, then
+stops listening. It accepts only the ``exec`` role's key, which only partition 0's rsh agent has.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -40,8 +45,88 @@ def orted_argv(words: list[str]) -> list[str]:
     raise ValueError("the rsh agent was asked to run something other than orted: %r" % (words[:3],))
 
 
+class OrtedRefused(ValueError):
+    """An ``orted`` command line this run's mpirun would not have produced."""
+
+
+_DIGITS = re.compile(r"^\d+$")
+_NODE_REGEX = re.compile(r"^[A-Za-z0-9_.,:@\[\]()\-]+$")
+_COMPONENTS = re.compile(r"^\^?[A-Za-z0-9_,]+$")
+_URI = re.compile(r"^\d+\.\d+;(?P<uris>.+)$")
+_TCP = re.compile(r"^tcp6?://(?P<addrs>[^/]+):(?P<port>\d+)$")
+
+
+def _hnp_addresses(value: str) -> list[str] | None:
+    """The addresses in an HNP URI (``jobid.vpid;tcp://a,b:port;tcp6://[c]:port``), or None if malformed."""
+    found = _URI.match(value)
+    if not found:
+        return None
+    addresses = []
+    for uri in found.group("uris").split(";"):
+        tcp = _TCP.match(uri)
+        if not tcp:
+            return None
+        for addr in tcp.group("addrs").split(","):
+            try:
+                addresses.append(str(ipaddress.ip_address(addr.strip("[]"))))
+            except ValueError:
+                return None
+    return addresses
+
+
+def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | None = None) -> None:
+    """Refuse (``OrtedRefused``) any ``orted`` command line but the one this run's mpirun produces.
+
+    The options mpirun itself was given (``mpirun_argv``) must come back with the same values; the
+    ones Open MPI adds are checked by shape; the HNP (mpirun, in partition 0's task) must be at
+    partition 0's address, and the daemon's number (``vpid``) the one of the host asked for (its
+    place in the plan, from 1); ``OMPI_MCA_*`` settings of the run's environment pass as they are.
+    Anything else (``orte_fork_agent``, ``orte_launch_agent``, a foreign HNP ...) is refused.
+    """
+    root = plan.slots[0]
+    ours = mpirun_argv(plan, agent=TaskDir(root.task_dir).agent, iface=root.iface)
+    exact = {ours[i + 1]: ours[i + 2] for i, word in enumerate(ours) if word == "-mca"}
+    exact.update({k[len("OMPI_MCA_"):]: v for k, v in env.items() if k.startswith("OMPI_MCA_")})
+    exact.pop("orte_tmpdir_base", None)  # the exec service's own, per orted
+    exact.update({"orte_leave_session_attached": "1", "ess": "env", "plm": "rsh",
+                  "hwloc_base_binding_policy": "none", "rmaps_base_mapping_policy": "slot",
+                  "ess_base_num_procs": str(len(plan.hosts) + 1)})
+    root_address = str(ipaddress.ip_address(root.address)) if root.address else ""
+
+    def shaped(key: str, value: str) -> bool:
+        if key == "ess_base_jobid":
+            return bool(_DIGITS.match(value))
+        if key == "ess_base_vpid":
+            return bool(_DIGITS.match(value)) and 1 <= int(value) <= len(plan.hosts) and vpid in (None, int(value))
+        if key == "orte_node_regex":
+            return bool(_NODE_REGEX.match(value))
+        if key == "pmix":
+            return bool(_COMPONENTS.match(value))
+        if key == "orte_hnp_uri":
+            addresses = _hnp_addresses(value)
+            return bool(addresses) and all(a == root_address for a in addresses)
+        raise OrtedRefused("orted option -mca %s is not one this run's mpirun passes" % key)
+
+    if argv[:1] != ["orted"]:
+        raise OrtedRefused("not an orted command")
+    words = argv[1:]
+    i = 0
+    while i < len(words):
+        if words[i] not in ("-mca", "--mca") or i + 2 >= len(words):
+            raise OrtedRefused("orted argument %r is not one this run's mpirun passes" % words[i][:80])
+        key, value = words[i + 1], words[i + 2]
+        ok = exact[key] == value if key in exact else shaped(key, value)
+        if not ok:
+            raise OrtedRefused("orted option -mca %s %r is not what this run's mpirun passes" % (key, value[:200]))
+        i += 3
+
+
 class ExecService:
-    """Starts ``orted`` for authenticated requests; kills it when the requester goes away."""
+    """Starts ``orted`` for authenticated requests; kills it when the requester goes away.
+
+    Until ``expect`` gives it the plan it starts nothing; then, if its task is the first of a host
+    that mpirun reaches through the agent, it starts that host's one ``orted``; otherwise it closes.
+    """
 
     def __init__(
         self,
@@ -52,7 +137,8 @@ class ExecService:
         on_launch: Callable[[list[str]], None] | None = None,
         log_path: Path | None = None,
     ) -> None:
-        self._secret = secret
+        self._keys = wire.server_keys(secret, wire.ROLE_EXEC)
+        self._plan: Plan | None = None
         self._log_path = log_path or Path(os.devnull)
         # Every orted gets a session directory of its own. By default all daemons of a job on one
         # machine share /tmp/ompi.<host>.<uid>/jf.<jobfam>/, and Open MPI 4.1 does not expect two
@@ -73,7 +159,27 @@ class ExecService:
         self.orted_ended = threading.Event()
         self.orted_code: int | None = None
         self.refused = 0
-        wire.serve(self._listener, self._secret, self._serve, "hvdrunner-exec-service")
+        wire.serve(self._listener, self._keys, self._serve, "hvdrunner-exec-service", max_connections=8,
+                   max_pending=8, on_reject=self._rejected)
+
+    def expect(self, plan: Plan, partition: int) -> None:
+        """The plan is known: serve the one launch of this task's host, or close if there is none.
+
+        mpirun starts an ``orted`` on every host of the plan through the agent, its own included
+        (host names are pseudo names to it), each at the host's first task."""
+        self._plan = plan
+        hostname = plan.for_partition(partition).hostname
+        self._vpid = 1 + [name for name, _ in plan.hosts].index(hostname)
+        if plan.host_leader(hostname).partition != partition:
+            self._stop_listening()  # mpirun never asks this task for an orted
+
+    def _stop_listening(self) -> None:
+        wire.stop_listening(self._listener)
+
+    def _rejected(self, err: BaseException) -> None:
+        with self._lock:
+            self.refused += 1
+        self._note("refused a connection: %s" % err)
 
     def _serve(self, conn: wire.ServerConnection) -> None:
         proc = None
@@ -81,17 +187,26 @@ class ExecService:
             conn.sock.settimeout(30)
             request = conn.recv()
             conn.sock.settimeout(None)
-            argv = orted_argv([str(w) for w in request["words"]])  # raises ValueError for anything but orted
+            words = request.get("words")
+            if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+                raise OrtedRefused("a request without a list of words")
+            argv = orted_argv(words)  # raises ValueError for anything but orted
             with self._lock:
                 if self._closed:
                     self._note("asked to start orted after the task ended")
                     return
+                if self._plan is None:
+                    raise OrtedRefused("asked to start orted before the task had the plan")
+                if self.launches:
+                    raise OrtedRefused("asked to start a second orted (one per host)")
+                check_orted(argv, self._plan, self._env, self._vpid)
                 # orted's own output goes to a file next to the task, never to a pipe nobody may read
                 with open(self._log_path, "ab") as log_file:
                     proc = procs.spawn(procs.reaped(argv, self._watch_pid), self._env, stdout=log_file,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
                 self._procs.append(proc)
                 self.launches += 1
+            self._stop_listening()  # one orted per host: nothing more to serve
             if self._on_launch is not None:
                 self._on_launch(argv)
             conn.send({"started": proc.pid})
@@ -132,8 +247,7 @@ class ExecService:
         with self._lock:
             self._closed = True
             running = list(self._procs)
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        self._stop_listening()
         for proc in running:
             if proc.poll() is None:
                 procs.kill_tree(proc)

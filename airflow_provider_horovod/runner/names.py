@@ -16,7 +16,6 @@ from pathlib import Path
 # -- the environment of every rank process ------------------------------------------------------
 ENV_PLAN = "HVDRUNNER_PLAN"  # path of the plan (JSON) in the task folder
 ENV_PAYLOAD = "HVDRUNNER_PAYLOAD"  # path of the cloudpickled function and its arguments
-ENV_SECRET = "HVDRUNNER_SECRET"  # the run's secret (hex); removed from the rank's environ
 ENV_CHANNEL = "HVDRUNNER_CHANNEL"  # "host:port" of the driver's channel, "" when unreachable
 ENV_VERBOSITY = "HVDRUNNER_VERBOSITY"  # "all" or "log_callback_only"
 ENV_TIMELINE = "HVDRUNNER_TIMELINE"  # "1": every rank sets HOROVOD_TIMELINE, rank 0's comes back
@@ -54,6 +53,9 @@ MPIRUN_LOG = "mpirun.log"
 ORTED_LOG = "orted.log"
 AGENT_FILE = "hvdrunner-rsh"
 AGENT_LOG = "rsh.log"  # the agent's own words (Open MPI sends its output to /dev/null)
+# Keys are handed over in 0600 files in the task's 0700 folder, never through the environment:
+RANK_KEY = "rank-%d.key"  # a rank's channel key; the rank removes it once read
+EXEC_KEY = "exec.key"  # the rsh agent's key for the exec services; lives while mpirun runs
 ARTIFACTS_DIR = "artifacts"  # rank 0's: what comes back to the driver
 SCRATCH_DIR = "scratch-rank-%d"  # every other rank's: thrown away
 RESUME_DIR = "resume"  # the host's copy of resume_from (in its first task's folder)
@@ -106,6 +108,10 @@ class TaskDir:
     rsh_log = property(lambda self: self.path / AGENT_LOG)
     artifacts = property(lambda self: self.path / ARTIFACTS_DIR)
     resume = property(lambda self: self.path / RESUME_DIR)
+    exec_key = property(lambda self: self.path / EXEC_KEY)
+
+    def rank_key(self, rank: int) -> Path:
+        return self.path / (RANK_KEY % rank)
 
     def error(self, rank: int) -> Path:
         return self.path / (ERROR_FILE % rank)

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.names import ENV_EXEC_SERVICES, ENV_SECRET
+from airflow_provider_horovod.runner.names import ENV_EXEC_SERVICES, EXEC_KEY
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,8 +45,10 @@ def _run(argv: list[str]) -> int:
         _note("hvdrunner-rsh: no exec service for host %r (known: %s)" % (host, sorted(services)))
         return 255
     addr, _, port = services[host].rpartition(":")
-    secret = bytes.fromhex(os.environ[ENV_SECRET])
-    conn = wire.connect((addr, int(port)), secret, timeout=30)
+    # the key is in a private file next to this agent (never in mpirun's or this process's environ)
+    with open(os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), EXEC_KEY)) as f:
+        key = bytes.fromhex(f.read())
+    conn = wire.connect((addr, int(port)), wire.Credentials(wire.ROLE_EXEC, key), timeout=30)
     signal.signal(signal.SIGTERM, lambda *_: (conn.close(), os._exit(143)))
     conn.send({"words": words})
     code = 255

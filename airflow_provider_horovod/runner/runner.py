@@ -22,7 +22,7 @@ import cloudpickle
 
 from airflow_provider_horovod.exceptions import ArtifactError, HorovodRunError, InsufficientSlotsError, RunCancelledError
 from airflow_provider_horovod.runner import names, procs, wire
-from airflow_provider_horovod.runner.artifacts import check_writable, commit
+from airflow_provider_horovod.runner.artifacts import Limits, check_writable, commit
 from airflow_provider_horovod.runner.barrier import TaskFailure, check_facts, parse_failure, run_local, run_task
 from airflow_provider_horovod.runner.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport
@@ -93,6 +93,9 @@ class HorovodRunner:
     :param timeline: record a Horovod timeline on rank 0 and bring it back (needs ``artifact_dir``).
     :param artifact_dir: a local folder to commit rank 0's checkpoints and timeline into.
     :param resume_from: a checkpoint folder every rank sees as ``runtime.resume_dir()``.
+    :param max_artifact_bytes: the most rank 0's artifacts may hold (1 TiB by default); a larger
+        hand-over fails the run with ``ArtifactError`` rather than fill the driver's disk.
+    :param max_artifact_files: the most files rank 0's artifacts may hold (100 000 by default).
     """
 
     def __init__(
@@ -107,6 +110,8 @@ class HorovodRunner:
         timeline: bool = False,
         artifact_dir: str | os.PathLike[str] | None = None,
         resume_from: str | os.PathLike[str] | None = None,
+        max_artifact_bytes: int = Limits.max_bytes,
+        max_artifact_files: int = Limits.max_files,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise ValueError("np must be a non-zero int (np > 0: barrier tasks, np < 0: local processes); got %r" % (np,))
@@ -122,6 +127,10 @@ class HorovodRunner:
             raise ValueError("env must map str to str; fix %s" % ", ".join(map(repr, bad)))
         if resume_from is not None and not Path(resume_from).is_dir():
             raise ValueError("resume_from must be an existing folder; %s is not" % (resume_from,))
+        for name, value in (("max_artifact_bytes", max_artifact_bytes), ("max_artifact_files", max_artifact_files)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError("%s must be a positive int; got %r" % (name, value))
+        self.artifact_limits = Limits(max_bytes=max_artifact_bytes, max_files=max_artifact_files)
         self.np = np
         self.launcher = launcher
         self.driver_log_verbosity = driver_log_verbosity
@@ -156,7 +165,8 @@ class HorovodRunner:
         if self._cancelled.is_set():
             events.put(CancelRequested())
         secret = wire.new_secret()
-        channel = Channel(secret, on_event=events.put, artifact_staging=staging, resume_root=self.resume_from,
+        channel = Channel(secret, run_id=run_id, on_event=events.put, artifact_staging=staging,
+                          resume_root=self.resume_from, limits=self.artifact_limits,
                           output=RankOutput(stream_all=self.driver_log_verbosity == "all"))
         sup: Supervisor | None = None
         result = None
@@ -272,6 +282,7 @@ class HorovodRunner:
         def act(action: Action) -> None:
             if isinstance(action, SendPlan):
                 channel.record({"kind": "plan", "slots": slot_summary(action.plan)})
+                channel.expect_artifacts_from(action.plan.slots[0].task_dir)
                 channel.send_tasks({"t": names.MSG_PLAN, "plan": action.plan.to_json()})
             elif isinstance(action, SendStart):
                 channel.send_tasks({"t": names.MSG_START})
@@ -342,9 +353,6 @@ class HorovodRunner:
                           received=channel.received, extra={"np": self.np, "launcher": self.launcher})
         except OSError as err:
             raise ArtifactError("Cannot commit artifacts to %s (%s)." % (artifact_dir, err), result=result) from err
-        if channel.upload_error is not None and report.status == "success":
-            raise ArtifactError("Rank 0's artifacts could not be written to %s (%s); the run itself succeeded."
-                                % (artifact_dir, channel.upload_error), result=result)
         log.info("Artifacts of run %s (%s, %s): %d files in %s", report.run_id, report.status,
                  "complete" if info["complete"] else "INCOMPLETE", len(info["files"]), artifact_dir)
         report.artifacts = info
@@ -357,6 +365,9 @@ class HorovodRunner:
             report.timeline_picture_path = str(artifact_dir / info["timeline_picture"])
         if info.get("checkpoint"):
             report.checkpoint_path = str(artifact_dir / info["checkpoint"])
+        if channel.upload_error is not None and report.status == "success":
+            raise ArtifactError("Rank 0's artifacts did not reach %s (%s); the run itself succeeded."
+                                % (artifact_dir, channel.upload_error), result=result)
 
     # -- checks ---------------------------------------------------------------------------------
     def _check_conf(self, spark: Any) -> None:

@@ -122,6 +122,17 @@ def _die(_pid: int) -> None:
     os._exit(137)
 
 
+def _take_key(path: Path) -> bytes:
+    """This rank's channel key, from the file its task left for it; the file goes once read."""
+    try:
+        key = bytes.fromhex(path.read_text())
+    except (OSError, ValueError):
+        return b""
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return key
+
+
 def _setup(rank: int):
     """Find this rank's slot, arm the watchdog, connect to the driver, capture the output."""
     from airflow_provider_horovod import runtime
@@ -129,15 +140,16 @@ def _setup(rank: int):
     from airflow_provider_horovod.runner.channel import ChannelClient
     from airflow_provider_horovod.runner.plan import Plan, rank_env
     from airflow_provider_horovod.runner.procs import start_watchdog
+    from airflow_provider_horovod.runner.wire import ROLE_RANK, Credentials
 
     plan = Plan.from_json(Path(os.environ[names.ENV_PLAN]).read_text())
     slot = plan.slots[rank]
     start_watchdog([slot.task_pid], _die)
-    secret = bytes.fromhex(os.environ.pop(names.ENV_SECRET, ""))
-    host, _, port = os.environ.get(names.ENV_CHANNEL, "").rpartition(":")
-    client = ChannelClient((host, int(port)) if port else None, secret)
-    runtime._client = client
     task = names.TaskDir(slot.task_dir)
+    key = _take_key(task.rank_key(rank))
+    host, _, port = os.environ.get(names.ENV_CHANNEL, "").rpartition(":")
+    client = ChannelClient((host, int(port)) if port and key else None, Credentials(ROLE_RANK, key))
+    runtime._client = client
     under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
     pump = OutputPump(rank, client, stream=os.environ.get(names.ENV_VERBOSITY, "all") == "all",
                       log_path=task.rank_log(rank), forward=under_mpirun)

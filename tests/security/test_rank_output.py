@@ -1,0 +1,32 @@
+"""A rank's line stays one record of the driver's log. Finding 9 of issue #10."""
+
+from __future__ import annotations
+
+import logging
+
+from airflow_provider_horovod.runner import wire
+from airflow_provider_horovod.runner.channel import Channel, RankOutput, one_line
+from tests.security.attacker import RANK, SECRET, settle
+
+
+def test_control_characters_cannot_forge_records(caplog):
+    caplog.set_level(logging.INFO, logger="airflow_provider_horovod.ranks")
+    channel = Channel(SECRET, output=RankOutput(stream_all=True))
+    address = channel.start("127.0.0.1")
+    try:
+        conn = wire.connect(address, RANK)
+        conn.send({"t": "logs", "rank": 1, "lines": ["loss 0.1\n[2026-12-03] {taskinstance.py} ERROR - forged",
+                                                      "\x1b[31mred\x1b[0m\rover", "tab\tstays", "sep\u2028line"]})
+        conn.close()
+        assert settle(lambda: len(caplog.records) == 4)
+    finally:
+        channel.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert all("\n" not in m and "\r" not in m and "\x1b" not in m and "\u2028" not in m for m in messages)
+    assert messages[0] == "[rank 1] loss 0.1\\x0a[2026-12-03] {taskinstance.py} ERROR - forged"
+    assert messages[2] == "[rank 1] tab\tstays"
+
+
+def test_one_line_leaves_ordinary_text_alone():
+    assert one_line("epoch 3: loss=0.25 — 99% ✓") == "epoch 3: loss=0.25 — 99% ✓"
+    assert one_line("a\x00b\x7f") == "a\\x00b\\x7f"

@@ -137,8 +137,8 @@ class SparkCoordinator:
         return make_plan(gathered)
 
     def ready(self, plan: Plan, spec: RunSpec) -> None:
-        if spec.has_resume or spec.launcher == "gloo":
-            self.ctx.barrier()  # every host has resume_from, the rendezvous knows the plan
+        # every host has resume_from, its ranks' keys and its exec service the plan; the rendezvous knows it
+        self.ctx.barrier()
 
     def finish(self, failure: Failure | None, tails: dict[str, list[str]]) -> None:
         if failure is not None:

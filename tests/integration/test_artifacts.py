@@ -104,10 +104,10 @@ def test_cancel_during_artifact_transfer_leaves_the_folder_marked_incomplete(spa
     else:
         real_receive = artifacts.receive_tree
 
-        def slow_receive(conn, dest):
+        def slow_receive(conn, dest, *limits):
             recv_bytes = conn.recv_bytes
             conn.recv_bytes = lambda *a, **k: time.sleep(0.1) or recv_bytes(*a, **k)
-            return real_receive(conn, dest)
+            return real_receive(conn, dest, *limits)
 
         monkeypatch.setattr(artifacts, "receive_tree", slow_receive)
     dest = tmp_path / "a"

@@ -12,6 +12,7 @@ once ``retry_delay`` has passed), so the retry test is a plain ``dags test`` wit
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -62,8 +63,8 @@ class AirflowHome:
         self.env.pop("AIRFLOW_CONN_SPARK_DEFAULT", None)
         subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, check=True, capture_output=True, timeout=300)
 
-    def dags_test(self, dag_id: str, **popen: object) -> subprocess.CompletedProcess:
-        return subprocess.run([AIRFLOW, "dags", "test", dag_id], env=self.env, capture_output=True, text=True,
+    def dags_test(self, dag_id: str, *args: str, **popen: object) -> subprocess.CompletedProcess:
+        return subprocess.run([AIRFLOW, "dags", "test", dag_id, *args], env=self.env, capture_output=True, text=True,
                               timeout=DAG_TIMEOUT_S, **popen)
 
     def query(self, sql: str, *args: object) -> list[tuple]:
@@ -146,6 +147,31 @@ def test_retrain_example_fine_tunes_from_the_published_checkpoint(airflow):
     assert tuned["checkpoint_uri"] != published["checkpoint_uri"]
     assert airflow.xcom("horovod_digits_retrain", "evaluate")["accuracy"] >= 0.90
     assert "Resuming from checkpoint %s" % published["checkpoint_uri"] in proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="needs scripts/setup --with tensorflow")
+def test_keras_digits_example_retries_from_its_checkpoint_and_reaches_the_accuracy(airflow):
+    import h5py
+
+    proc = airflow.dags_test("horovod_keras_digits", "--conf", json.dumps({"fail_first_try_after_epoch": 3}))
+    assert proc.returncode == 0, explain(proc)
+    assert airflow.task_states("horovod_keras_digits") == {"train": ("success", 2), "evaluate": ("success", 1)}
+    trained = airflow.xcom("horovod_keras_digits", "train")
+    assert trained["try_number"] == 2 and (trained["np"], trained["launcher"]) == (2, "mpirun")
+    assert trained["result"]["resumed_after_epoch"] == 3 and trained["result"]["epochs"] == 8
+    assert trained["result"]["ranks"] == 2
+
+    first = local(trained["artifacts_uri"]).parent / "try-1"
+    assert json.loads((first / "_ARTIFACTS.json").read_text())["status"] == "failed"
+    with h5py.File(first / "checkpoints" / "model.h5", "r") as saved:  # what the retry resumed from
+        assert saved.attrs["epoch"] == 3 and "optimizer_weights" in saved
+    with h5py.File(local(trained["checkpoint_uri"]) / "model.h5", "r") as saved:
+        assert saved.attrs["epoch"] == 8
+    output = proc.stdout + proc.stderr
+    assert "fail_first_try_after_epoch=3: this try fails on purpose" in output
+    assert "rank 0 resumes after epoch 3" in output and "rank 1 resumes after epoch 3" in output
+    assert "epoch 4: loss" in output and "epoch 8: loss" in output
+    assert airflow.xcom("horovod_keras_digits", "evaluate")["accuracy"] >= 0.90
 
 
 def test_reference_string_operator_and_task_horovod_decorator(airflow):

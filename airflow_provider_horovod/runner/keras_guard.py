@@ -21,8 +21,10 @@ Checked: ``DistributedOptimizer`` / ``PartialDistributedOptimizer`` (the optimiz
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
+import importlib.metadata
 import os
 import sys
 from collections.abc import Callable
@@ -41,8 +43,14 @@ _MARK = "__hvdrunner_keras_checked__"
 def keras3_class(obj: object) -> str | None:
     """The name of ``obj``'s Keras 3 class, or ``None`` when it is not a Keras 3 object."""
     keras = sys.modules.get("keras")  # nothing can be a Keras 3 object before Keras 3 is imported
-    version = str(getattr(keras, "__version__", "0"))
-    if keras is None or not version.split(".")[0].isdigit() or int(version.split(".")[0]) < 3:
+    if keras is None:
+        return None
+    version = getattr(keras, "__version__", None)
+    if not isinstance(version, str):
+        with contextlib.suppress(Exception):
+            version = importlib.metadata.version("keras")
+    major = str(version).split(".")[0]
+    if not major.isdigit() or int(major) < 3:
         return None
     for cls in type(obj).__mro__:
         module = getattr(cls, "__module__", None) or ""

@@ -65,10 +65,10 @@ def refuse(obj: object, where: str) -> None:
     if found is None:
         return
     legacy = os.environ.get(LEGACY_KERAS_ENV)
-    why_tf_keras = (
-        "" if (legacy or "").strip().lower() in ("1", "true", "yes")
-        else " Here tf.keras is Keras 3 too: %s is %s in this rank's environment; leave it unset (the runner "
-             "then sets it to 1) or set it to 1." % (LEGACY_KERAS_ENV, "unset" if legacy is None else repr(legacy))
+    why_tf_keras = (  # the values TensorFlow itself accepts
+        "" if legacy in ("1", "true", "True")
+        else " Here tf.keras is Keras 3 too, because %s is %s in this rank's environment: set it to 1, or "
+             "leave it unset and the runner sets it." % (LEGACY_KERAS_ENV, "unset" if legacy is None else repr(legacy))
     )
     raise Keras3NotSupportedError(
         "%s was given a Keras 3 object, %s. Horovod's Keras support speaks the Keras 2 API only: with "

@@ -10,6 +10,7 @@ from airflow_provider_horovod.exceptions import (
     ArtifactError,
     HorovodRunError,
     InsufficientSlotsError,
+    Keras3NotSupportedError,
     PayloadError,
     RunCancelledError,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "HorovodRunError",
     "HorovodRunner",
     "InsufficientSlotsError",
+    "Keras3NotSupportedError",
     "PayloadError",
     "RunCancelledError",
     "__version__",

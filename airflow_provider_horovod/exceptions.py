@@ -44,6 +44,13 @@ class PayloadError(ValueError):
     """The training callable or its arguments cannot be shipped to the ranks."""
 
 
+class Keras3NotSupportedError(TypeError):
+    """A training function gave Keras 3 objects to Horovod's Keras API, which trains them wrong.
+
+    Raised inside the rank (``runner.keras_guard``); the run fails with it as the rank's error.
+    """
+
+
 class ArtifactError(RuntimeError):
     """Artifacts could not be written or read; the message names the path.
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from airflow_provider_horovod.runner import names, procs, wire
 from airflow_provider_horovod.runner.events import Failure
+from airflow_provider_horovod.runner.keras_guard import LEGACY_KERAS_ENV
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.plan import Plan, Slot, gloo_env
 
@@ -58,6 +59,8 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in names.HOROVOD_RANK_CONTRACT and k not in names.SPARK_WORKER_SECRETS}
     env.update(spec.env)
+    # Keras 2 (tf-keras) for horovod.tensorflow.keras; TensorFlow reads it at its first import
+    env.setdefault(LEGACY_KERAS_ENV, "1")  # the user's own value (driver, executor or env=) wins
     env.update(
         {
             names.ENV_PLAN: str(task.plan),

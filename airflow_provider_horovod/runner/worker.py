@@ -195,9 +195,11 @@ def main() -> int:
     slot = task = client = pump = None
     try:
         slot, task, client, pump = _setup(rank)
+        from airflow_provider_horovod.runner import keras_guard
         from airflow_provider_horovod.runner.names import ENV_PAYLOAD
         from airflow_provider_horovod.runner.payload import load_payload
 
+        keras_guard.install()  # before unpickling can import horovod.tensorflow.keras
         fn, args, kwargs = load_payload(Path(os.environ[ENV_PAYLOAD]).read_bytes())
         result = fn(*args, **kwargs)
         if rank == 0:

@@ -12,6 +12,7 @@ once ``retry_delay`` has passed), so the retry test is a plain ``dags test`` wit
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -34,6 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 DAG_TIMEOUT_S = 300
+# Two tries of a Keras training task (each starts 2 ranks that import TensorFlow, ~20-60 s on a busy
+# 2-core machine) plus an evaluation that imports it again: 5.5 min seen here at load 15.
+KERAS_DAG_TIMEOUT_S = 600
 
 
 class AirflowHome:
@@ -62,9 +66,9 @@ class AirflowHome:
         self.env.pop("AIRFLOW_CONN_SPARK_DEFAULT", None)
         subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, check=True, capture_output=True, timeout=300)
 
-    def dags_test(self, dag_id: str, **popen: object) -> subprocess.CompletedProcess:
-        return subprocess.run([AIRFLOW, "dags", "test", dag_id], env=self.env, capture_output=True, text=True,
-                              timeout=DAG_TIMEOUT_S, **popen)
+    def dags_test(self, dag_id: str, *args: str, timeout: float = DAG_TIMEOUT_S, **popen: object) -> subprocess.CompletedProcess:
+        return subprocess.run([AIRFLOW, "dags", "test", dag_id, *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, **popen)
 
     def query(self, sql: str, *args: object) -> list[tuple]:
         with sqlite3.connect(self.home / "airflow.db") as db:
@@ -146,6 +150,32 @@ def test_retrain_example_fine_tunes_from_the_published_checkpoint(airflow):
     assert tuned["checkpoint_uri"] != published["checkpoint_uri"]
     assert airflow.xcom("horovod_digits_retrain", "evaluate")["accuracy"] >= 0.90
     assert "Resuming from checkpoint %s" % published["checkpoint_uri"] in proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="needs scripts/setup --with tensorflow")
+def test_keras_digits_example_retries_from_its_checkpoint_and_reaches_the_accuracy(airflow):
+    import h5py
+
+    proc = airflow.dags_test("horovod_keras_digits", "--conf", json.dumps({"fail_first_try_after_epoch": 3}),
+                             timeout=KERAS_DAG_TIMEOUT_S)
+    assert proc.returncode == 0, explain(proc)
+    assert airflow.task_states("horovod_keras_digits") == {"train": ("success", 2), "evaluate": ("success", 1)}
+    trained = airflow.xcom("horovod_keras_digits", "train")
+    assert trained["try_number"] == 2 and (trained["np"], trained["launcher"]) == (2, "mpirun")
+    assert trained["result"]["resumed_after_epoch"] == 3 and trained["result"]["epochs"] == 8
+    assert trained["result"]["ranks"] == 2
+
+    first = local(trained["artifacts_uri"]).parent / "try-1"
+    assert json.loads((first / "_ARTIFACTS.json").read_text())["status"] == "failed"
+    with h5py.File(first / "checkpoints" / "model.h5", "r") as saved:  # what the retry resumed from
+        assert saved.attrs["epoch"] == 3 and "optimizer_weights" in saved
+    with h5py.File(local(trained["checkpoint_uri"]) / "model.h5", "r") as saved:
+        assert saved.attrs["epoch"] == 8
+    output = proc.stdout + proc.stderr
+    assert "fail_first_try_after_epoch=3: this try fails on purpose" in output
+    assert "rank 0 resumes after epoch 3" in output and "rank 1 resumes after epoch 3" in output
+    assert "epoch 4: loss" in output and "epoch 8: loss" in output
+    assert airflow.xcom("horovod_keras_digits", "evaluate")["accuracy"] >= 0.90
 
 
 def test_reference_string_operator_and_task_horovod_decorator(airflow):

@@ -3,6 +3,7 @@ runs a barrier stage with allGather."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,9 +16,10 @@ BIN = Path(sys.executable).parent
 HERE = Path(__file__).parent
 
 
-def test_horovod_build_has_pytorch_mpi_and_gloo():
+def test_horovod_build_has_pytorch_mpi_and_gloo_and_tensorflow_with_the_extra():
     out = subprocess.run([str(BIN / "horovodrun"), "--check-build"], capture_output=True, text=True, check=True).stdout
-    for line in ("[X] PyTorch", "[X] MPI", "[X] Gloo"):
+    with_tensorflow = importlib.util.find_spec("tensorflow") is not None  # scripts/setup --with tensorflow
+    for line in ("[X] PyTorch", "[X] MPI", "[X] Gloo") + (("[X] TensorFlow",) if with_tensorflow else ()):
         assert line in out, out
 
 

@@ -79,6 +79,18 @@ def test_rank_processes_get_neither_a_drivers_horovod_contract_nor_sparks_worker
     assert env["USER_VAR"] == "1" and env[names.ENV_LAUNCHER] == "mpirun"
     assert env[names.ENV_PLAN] == str(tmp_path / names.PLAN_FILE)
 
+def test_rank_processes_get_keras_2_unless_the_user_chose(monkeypatch, tmp_path):
+    import dataclasses
+
+    monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
+    for launcher in ("mpirun", "gloo"):
+        assert base_env(spec(launcher), TaskDir(tmp_path))["TF_USE_LEGACY_KERAS"] == "1"
+    chosen = dataclasses.replace(spec(), env={"TF_USE_LEGACY_KERAS": "0"})  # the runner's env=
+    assert base_env(chosen, TaskDir(tmp_path))["TF_USE_LEGACY_KERAS"] == "0"
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "false")  # the executor's (or the driver's) own environment
+    assert base_env(spec(), TaskDir(tmp_path))["TF_USE_LEGACY_KERAS"] == "false"
+
+
 
 def test_folders_of_a_dead_owner_are_swept_and_a_live_owners_are_kept(tmp_path):
     import os

@@ -177,7 +177,7 @@ class TaskServices:
 
 def task_facts(ctx, spec: RunSpec, partition: int, executor: str, address: str, task: TaskDir,
                services: TaskServices) -> TaskFacts:
-    from airflow_provider_horovod.runner.mpi import interface_for
+    from airflow_provider_horovod.runner.mpi import interface_for, network_for
 
     resources = ctx.resources()
     return TaskFacts(
@@ -185,7 +185,7 @@ def task_facts(ctx, spec: RunSpec, partition: int, executor: str, address: str, 
         python=platform.python_version(), gpus=tuple(resources["gpu"].addresses) if "gpu" in resources else (),
         service_port=services.exec_service.port if services.exec_service else 0,
         rendezvous_port=services.rendezvous.port if services.rendezvous else 0,
-        iface=interface_for(address), missing=missing_programs(spec),
+        iface=interface_for(address), network=network_for(address), missing=missing_programs(spec),
     )
 
 
@@ -236,7 +236,7 @@ def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[s
     leaders = {name: plan.host_leader(name) for name, _ in plan.hosts}
     env = dict(env)
     env[names.ENV_EXEC_SERVICES] = json.dumps({name: "%s:%d" % (s.address, s.service_port) for name, s in leaders.items()})
-    argv = mpirun_argv(plan, agent=write_agent(task), iface=slot.iface)
+    argv = mpirun_argv(plan, agent=write_agent(task), networks=plan.networks)
     return run_ranks(spec, plan, [slot], task, env, mpirun=argv)
 
 
@@ -301,7 +301,7 @@ def run_local(spec: RunSpec, np: int) -> bytes:
             raise TaskFailure(Failure("%s not found on the driver's PATH. Install Open MPI (apt-get install "
                                       "openmpi-bin) or use launcher='gloo'." % " and ".join(missing)))
         facts = [TaskFacts(partition=i, executor="driver", address="127.0.0.1", pid=os.getpid(), task_dir=str(task.path),
-                           python=platform.python_version(), iface="lo") for i in range(np)]
+                           python=platform.python_version(), iface="lo", network="127.0.0.0/8") for i in range(np)]
         plan = make_plan(facts)
         task.plan.write_text(plan.to_json())
         task.payload.write_bytes(spec.payload)
@@ -311,7 +311,7 @@ def run_local(spec: RunSpec, np: int) -> bytes:
             rendezvous.init(plan)
             failure = run_ranks(spec, plan, list(plan.slots), task, env, rendezvous=("127.0.0.1", rendezvous.port))
         else:
-            failure = run_ranks(spec, plan, list(plan.slots), task, env, mpirun=mpirun_argv(None, np=np, iface="lo"))
+            failure = run_ranks(spec, plan, list(plan.slots), task, env, mpirun=mpirun_argv(None, np=np, networks=plan.networks))
         upload_artifacts(spec, task)
         if failure is not None:
             raise TaskFailure(failure.with_tail(rank_tails([s for s in plan.slots if s.rank == failure.rank]).get(str(failure.rank), [])))

@@ -148,8 +148,12 @@ def write_agent(task: TaskDir) -> Path:
     return path
 
 
-def mpirun_argv(plan: Plan | None, *, agent: Path | None = None, iface: str, np: int = 0) -> list[str]:
-    """The ``mpirun`` command for ``plan`` (or for ``np`` local processes when ``plan`` is None)."""
+def mpirun_argv(plan: Plan | None, *, agent: Path | None = None, networks: list[str], np: int = 0) -> list[str]:
+    """The ``mpirun`` command for ``plan`` (or for ``np`` local processes when ``plan`` is None).
+
+    Open MPI's TCP traffic (``btl_tcp``: the ranks' messages; ``oob_tcp``: mpirun <-> orted) is
+    kept to ``networks`` (CIDR), which every host matches with whatever its interface is called.
+    """
     argv = ["mpirun"]
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
@@ -160,8 +164,9 @@ def mpirun_argv(plan: Plan | None, *, agent: Path | None = None, iface: str, np:
         argv += ["-np", str(plan.size), "-H", hosts]
         argv += ["-mca", "plm_rsh_agent", str(agent), "-mca", "plm_rsh_no_tree_spawn", "1"]
     argv += ["--leave-session-attached", "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "self,tcp,vader"]
-    if iface:
-        argv += ["-mca", "btl_tcp_if_include", iface, "-mca", "oob_tcp_if_include", iface]
+    if networks:
+        include = ",".join(networks)
+        argv += ["-mca", "btl_tcp_if_include", include, "-mca", "oob_tcp_if_include", include]
     return argv + WORKER
 
 
@@ -175,3 +180,16 @@ def interface_for(address: str) -> str:
                 return name
     return ""
 
+
+def network_for(address: str) -> str:
+    """The network of the interface that holds ``address``, in CIDR notation (``127.0.0.0/8`` for
+    loopback); empty when no interface holds it."""
+    import ipaddress
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address and a.netmask:
+                return str(ipaddress.ip_interface("%s/%s" % (address, a.netmask)).network)
+    return ""

@@ -225,7 +225,7 @@ def wait_for_orted(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, ser
 def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], services: TaskServices,
            client: ChannelClient) -> Failure | None:
     """This task's part of the run: its own Gloo rank, or (partition 0) mpirun for every host."""
-    from airflow_provider_horovod.runner.mpi import mpirun_argv, write_agent
+    from airflow_provider_horovod.runner.mpi import mpirun_argv
 
     slot = plan.for_partition(partition)
     if spec.launcher == "gloo":
@@ -236,7 +236,7 @@ def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[s
     leaders = {name: plan.host_leader(name) for name, _ in plan.hosts}
     env = dict(env)
     env[names.ENV_EXEC_SERVICES] = json.dumps({name: "%s:%d" % (s.address, s.service_port) for name, s in leaders.items()})
-    argv = mpirun_argv(plan, agent=write_agent(task), networks=plan.networks)
+    argv = mpirun_argv(plan, networks=plan.networks)
     return run_ranks(spec, plan, [slot], task, env, mpirun=argv)
 
 

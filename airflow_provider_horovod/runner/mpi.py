@@ -22,7 +22,7 @@ from pathlib import Path
 
 from airflow_provider_horovod.runner import procs, wire
 from airflow_provider_horovod.runner.host import WORKER
-from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, TaskDir, new_temp_dir
+from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, new_temp_dir
 from airflow_provider_horovod.runner.plan import Plan
 
 
@@ -140,15 +140,20 @@ class ExecService:
         shutil.rmtree(self._session_dir, ignore_errors=True)
 
 
-def write_agent(task: TaskDir) -> Path:
-    """The executable that ``-mca plm_rsh_agent`` points at (``rsh.py``: it imports almost nothing)."""
-    path = task.agent
-    path.write_text("#!%s\nfrom airflow_provider_horovod.runner.rsh import main\nmain()\n" % sys.executable)
-    path.chmod(0o700)
-    return path
+def agent_command() -> str:
+    """What ``-mca plm_rsh_agent`` runs: this Python with ``rsh.py`` (it imports almost nothing).
+
+    Open MPI hands the agent to every ``orted`` too, and each ``orted`` refuses to start when the
+    agent's program is not found on *its* host, so it must be a path every host has: the Python
+    that Spark runs on every executor, never a file in one task's folder.
+    """
+    if " " in sys.executable:
+        raise ValueError("mpirun needs a Python path without spaces on the executors (Open MPI splits "
+                         "plm_rsh_agent on spaces); got %r. Use launcher='gloo' or another path." % sys.executable)
+    return "%s -m airflow_provider_horovod.runner.rsh" % sys.executable
 
 
-def mpirun_argv(plan: Plan | None, *, agent: Path | None = None, networks: list[str], np: int = 0) -> list[str]:
+def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[str], np: int = 0) -> list[str]:
     """The ``mpirun`` command for ``plan`` (or for ``np`` local processes when ``plan`` is None).
 
     Open MPI's TCP traffic (``btl_tcp``: the ranks' messages; ``oob_tcp``: mpirun <-> orted) is
@@ -162,7 +167,7 @@ def mpirun_argv(plan: Plan | None, *, agent: Path | None = None, networks: list[
     else:
         hosts = ",".join("%s:%d" % (name, len(slots)) for name, slots in plan.hosts)
         argv += ["-np", str(plan.size), "-H", hosts]
-        argv += ["-mca", "plm_rsh_agent", str(agent), "-mca", "plm_rsh_no_tree_spawn", "1"]
+        argv += ["-mca", "plm_rsh_agent", agent or agent_command(), "-mca", "plm_rsh_no_tree_spawn", "1"]
     argv += ["--leave-session-attached", "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "self,tcp,vader"]
     if networks:
         include = ",".join(networks)

@@ -52,7 +52,6 @@ ERROR_FILE = "rank-%d.error.json"
 RANK_LOG = "rank-%d.log"
 MPIRUN_LOG = "mpirun.log"
 ORTED_LOG = "orted.log"
-AGENT_FILE = "hvdrunner-rsh"
 AGENT_LOG = "rsh.log"  # the agent's own words (Open MPI sends its output to /dev/null)
 ARTIFACTS_DIR = "artifacts"  # rank 0's: what comes back to the driver
 SCRATCH_DIR = "scratch-rank-%d"  # every other rank's: thrown away
@@ -102,7 +101,6 @@ class TaskDir:
     result = property(lambda self: self.path / RESULT_FILE)
     mpirun_log = property(lambda self: self.path / MPIRUN_LOG)
     orted_log = property(lambda self: self.path / ORTED_LOG)
-    agent = property(lambda self: self.path / AGENT_FILE)
     rsh_log = property(lambda self: self.path / AGENT_LOG)
     artifacts = property(lambda self: self.path / ARTIFACTS_DIR)
     resume = property(lambda self: self.path / RESUME_DIR)

@@ -79,6 +79,16 @@ def check_facts(driver_python: str, facts: list[TaskFacts]) -> Failure | None:
     return None
 
 
+def unreachable_driver(channel: tuple[str, int], partition: int, executor: str, error: str | None) -> Failure:
+    """The driver listens, but this task cannot connect to it: say where, and what to open."""
+    return Failure(
+        "The barrier task of partition %d on executor %s cannot reach the driver's channel at %s:%d (%s). The "
+        "executors must be able to open TCP connections to the driver's address (spark.driver.host) on the port "
+        "the run picks (any unprivileged port, as for spark.driver.port and spark.driver.blockManager.port): allow "
+        "them in the firewall in front of the driver, or set spark.driver.host to an address the executors can reach."
+        % (partition, executor, channel[0], channel[1], error or "no connection"), executor=executor)
+
+
 def abort_task(task: TaskDir) -> None:
     """The driver hung up mid-run (cancelled, or gone): stop every process of this task, remove its
     folder, then end the task's Python worker itself, as Spark would after its kill timeout."""
@@ -248,6 +258,9 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
     names.sweep_orphans()
     task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "p%d" % partition, os.getpid())))
     client = ChannelClient(spec.channel, spec.secret, on_lost=lambda: abort_task(task), on_stop=procs.kill_all)
+    if spec.channel is not None and not client.connected:
+        shutil.rmtree(task.path, ignore_errors=True)
+        raise TaskFailure(unreachable_driver(spec.channel, partition, executor, client.connect_error))
     coordinator = ChannelCoordinator(client, partition) if client.connected else SparkCoordinator(ctx)
     client.send({"t": names.MSG_HELLO, "partition": partition, "executor": executor})
     services = None

@@ -205,8 +205,3 @@ def steps_job(steps: int = 100000, pause: float = 0.2):
         time.sleep(pause)
     return {"steps": steps, "size": hvd.size(), "local_size": hvd.local_size()}
 
-
-def gloo_env_job():
-    import psutil
-    import socket
-    return {k: v for k, v in os.environ.items() if "GLOO" in k or k.startswith("HOROVOD_")}, {n: [a.address for a in v if a.family == socket.AF_INET] for n, v in psutil.net_if_addrs().items()}

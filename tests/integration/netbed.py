@@ -139,17 +139,18 @@ class NetBed:
         """Drop every TCP SYN that ``host`` sends to ``to`` on a port ``p`` with ``p & mask == port``
         (what a firewall in front of ``to`` does to ports it does not allow). Replies pass."""
         self.unshape(host)
-        ns = ["netns", "exec", host.netns, "tc"]
-        _ip(*ns, "qdisc", "add", "dev", host.iface, "root", "handle", "1:", "prio", "bands", "3",
-            "priomap", *(["1"] * 16))
-        # band 3 drops every packet: a token bucket smaller than any packet
-        _ip(*ns, "qdisc", "add", "dev", host.iface, "parent", "1:3", "handle", "30:", "tbf", "rate", "8kbit",
-            "burst", "64", "limit", "64")
-        _ip(*ns, "filter", "add", "dev", host.iface, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+        tc = ["netns", "exec", host.netns, "tc"]
+        dev = ["dev", host.iface]
+        _ip(*tc, "qdisc", "add", *dev, "root", "handle", "1:", "htb", "default", "10")
+        _ip(*tc, "class", "add", *dev, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit")  # everything else
+        _ip(*tc, "class", "add", *dev, "parent", "1:", "classid", "1:30", "htb", "rate", "8kbit")
+        _ip(*tc, "qdisc", "add", *dev, "parent", "1:30", "handle", "30:", "pfifo", "limit", "0")  # drops all it gets
+        # TCP (no IP options: Linux sends none on a SYN): destination port at byte 22, flags at byte 33
+        _ip(*tc, "filter", "add", *dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
             "match", "ip", "dst", "%s/32" % to.address, "match", "ip", "protocol", "6", "0xff",
-            "match", "ip", "dport", str(port), "0x%x" % mask,
-            "match", "u8", "0x02", "0x12", "at", "nexthdr+13",  # SYN without ACK: a new connection
-            "flowid", "1:3")
+            "match", "u16", "0x%x" % port, "0x%x" % mask, "at", "22",
+            "match", "u8", "0x02", "0x12", "at", "33",  # SYN without ACK: a new connection
+            "flowid", "1:30")
 
     def set_port_range(self, host: Host, low: int, high: int) -> None:
         """The ports ``host`` hands out for ``bind(0)`` (and outgoing connections)."""

@@ -242,7 +242,6 @@ def main() -> None:
         "cancel-transfer": s.cancel_transfer, "rank-killed-mpirun": lambda: s.rank_killed("mpirun"),
         "rank-killed-gloo": lambda: s.rank_killed("gloo"), "channel-blocked": s.channel_blocked,
         "host-lost": s.host_lost,
-        "debug": lambda: s.run(s.runner(2, "gloo"), __import__("tests.integration.jobs").integration.jobs.gloo_env_job),
     }
     results: dict[str, Any] = {"driver_pid": os.getpid()}
     try:

@@ -2,9 +2,9 @@
 namespace with its own address, its own interface name and its own /tmp (``netbed.py``), a Spark
 standalone master on the driver host and one worker per worker host, each bound to its address.
 
-One bed and one SparkSession serve every test here: the driver's side of all scenarios runs once,
-in order, inside the driver's namespace (``scenarios/bed_runs.py``), and each test reads what one
-run showed. The last run loses a whole host.
+One bed (torn down after this module) and one SparkSession serve every test here: the driver's
+side of all scenarios runs once, in order, inside the driver's namespace (``scenarios/bed_runs.py``),
+and each test reads what one run showed. The last run loses a whole host.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCENARIO_TIMEOUT_S = 540
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def netbed():
     why = NetBed.unavailable()
     if why is not None:
@@ -41,7 +41,7 @@ def netbed():
         assert bed.leftovers() == []
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def bed_cluster(netbed, tmp_path_factory):
     cluster = BedCluster(netbed, tmp_path_factory.mktemp("bed-spark-logs"), cores=2)
     try:
@@ -50,7 +50,7 @@ def bed_cluster(netbed, tmp_path_factory):
         cluster.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def bed_runs(netbed, bed_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("bed-out") / "runs.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), SPARK_LOCAL_IP=netbed.driver.address)

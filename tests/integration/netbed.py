@@ -25,6 +25,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import time
@@ -162,6 +163,9 @@ class NetBed:
         """Why no bed can be built here, or None."""
         if os.geteuid() != 0:
             return "the network test bed needs root (network namespaces, veth, bridge)"
+        missing = [p for p in ("ip", "tc", "nsenter", "unshare") if shutil.which(p) is None]
+        if missing:
+            return "the network test bed needs %s (iproute2, util-linux)" % " and ".join(missing)
         probe = "%s-probe-%d" % (PREFIX, os.getpid())
         made = _ip("netns", "add", probe, check=False)
         if made.returncode != 0:

@@ -82,6 +82,22 @@ def hosts_of(plan: list[dict]) -> list[str]:
     return [slot["address"] for slot in plan]
 
 
+def test_each_bed_host_has_its_own_address_interface_name_host_name_and_files(netbed, tmp_path):
+    driver_file = tmp_path / "only-on-the-driver"
+    driver_file.write_text("x")
+    names = set()
+    for host in netbed.workers:
+        def on_host(*argv: str) -> subprocess.CompletedProcess:
+            return netbed.run(host, list(argv), capture_output=True, text=True)
+
+        assert on_host("cat", str(driver_file)).returncode != 0  # the driver's /tmp is not this host's
+        addrs = on_host("ip", "-o", "-4", "addr", "show", "dev", host.iface).stdout
+        assert "%s/24" % host.address in addrs
+        names.add(on_host("hostname").stdout.strip())
+    assert names == {h.hostname for h in netbed.workers} and len(names) == len(netbed.workers)
+    assert len({h.iface for h in netbed.hosts.values()}) == len(netbed.hosts)
+
+
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
 def test_one_rank_per_host_across_hosts_whose_interfaces_are_named_differently(netbed, bed_runs, launcher):
     got = run_of(bed_runs, "%s-2" % launcher)

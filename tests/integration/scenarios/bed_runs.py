@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -233,7 +232,8 @@ def main() -> None:
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
-    work = Path(tempfile.mkdtemp(prefix="hvdtb-driver-"))
+    work = Path(out_path).parent / "driver"  # next to the output: the test reads the committed artifacts
+    work.mkdir()
     s = Scenarios(bed, spark, work)
     calls: dict[str, Callable[[], dict[str, Any]]] = {
         "mpirun-2": lambda: s.layout("mpirun", 2), "gloo-2": lambda: s.layout("gloo", 2),

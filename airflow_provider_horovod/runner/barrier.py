@@ -81,6 +81,16 @@ def check_facts(driver_python: str, facts: list[TaskFacts]) -> Failure | None:
     return None
 
 
+def unreachable_driver(channel: tuple[str, int], partition: int, executor: str, error: str | None) -> Failure:
+    """The driver listens, but this task cannot connect to it: say where, and what to open."""
+    return Failure(
+        "The barrier task of partition %d on executor %s cannot reach the driver's channel at %s:%d (%s). The "
+        "executors must be able to open TCP connections to the driver's address (spark.driver.host) on the port "
+        "the run picks (any unprivileged port, as for spark.driver.port and spark.driver.blockManager.port): allow "
+        "them in the firewall in front of the driver, or set spark.driver.host to an address the executors can reach."
+        % (partition, executor, channel[0], channel[1], error or "no connection"), executor=executor)
+
+
 def abort_task(task: TaskDir) -> None:
     """The driver hung up mid-run (cancelled, or gone): stop every process of this task, remove its
     folder, then end the task's Python worker itself, as Spark would after its kill timeout."""
@@ -179,7 +189,7 @@ class TaskServices:
 
 def task_facts(ctx, spec: RunSpec, partition: int, executor: str, address: str, task: TaskDir,
                services: TaskServices) -> TaskFacts:
-    from airflow_provider_horovod.runner.mpi import interface_for
+    from airflow_provider_horovod.runner.mpi import interface_for, network_for
 
     resources = ctx.resources()
     return TaskFacts(
@@ -187,7 +197,7 @@ def task_facts(ctx, spec: RunSpec, partition: int, executor: str, address: str, 
         python=platform.python_version(), gpus=tuple(resources["gpu"].addresses) if "gpu" in resources else (),
         service_port=services.exec_service.port if services.exec_service else 0,
         rendezvous_port=services.rendezvous.port if services.rendezvous else 0,
-        iface=interface_for(address), missing=missing_programs(spec),
+        iface=interface_for(address), network=network_for(address), missing=missing_programs(spec),
     )
 
 
@@ -230,7 +240,7 @@ def wait_for_orted(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, ser
 def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], services: TaskServices,
            client: ChannelClient) -> Failure | None:
     """This task's part of the run: its own Gloo rank, or (partition 0) mpirun for every host."""
-    from airflow_provider_horovod.runner.mpi import mpirun_argv, write_agent
+    from airflow_provider_horovod.runner.mpi import mpirun_argv
 
     slot = plan.for_partition(partition)
     if spec.launcher == "gloo":
@@ -241,7 +251,7 @@ def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[s
     leaders = {name: plan.host_leader(name) for name, _ in plan.hosts}
     env = dict(env)
     env[names.ENV_EXEC_SERVICES] = json.dumps({name: "%s:%d" % (s.address, s.service_port) for name, s in leaders.items()})
-    argv = mpirun_argv(plan, agent=write_agent(task), iface=slot.iface)
+    argv = mpirun_argv(plan, networks=plan.networks)
     hand_over_key(task.exec_key, wire.role_key(spec.secret, wire.ROLE_EXEC))
     try:
         return run_ranks(spec, plan, [slot], task, env, mpirun=argv)
@@ -258,6 +268,9 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
     names.sweep_orphans()
     task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "p%d" % partition, os.getpid())))
     client = ChannelClient(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), on_lost=lambda: abort_task(task), on_stop=procs.kill_all)
+    if spec.channel is not None and not client.connected:
+        shutil.rmtree(task.path, ignore_errors=True)
+        raise TaskFailure(unreachable_driver(spec.channel, partition, executor, client.connect_error))
     coordinator = ChannelCoordinator(client, partition) if client.connected else SparkCoordinator(ctx)
     client.send({"t": names.MSG_HELLO, "partition": partition, "executor": executor})
     services = None
@@ -311,7 +324,7 @@ def run_local(spec: RunSpec, np: int) -> bytes:
             raise TaskFailure(Failure("%s not found on the driver's PATH. Install Open MPI (apt-get install "
                                       "openmpi-bin) or use launcher='gloo'." % " and ".join(missing)))
         facts = [TaskFacts(partition=i, executor="driver", address="127.0.0.1", pid=os.getpid(), task_dir=str(task.path),
-                           python=platform.python_version(), iface="lo") for i in range(np)]
+                           python=platform.python_version(), iface="lo", network="127.0.0.0/8") for i in range(np)]
         plan = make_plan(facts)
         task.plan.write_text(plan.to_json())
         task.payload.write_bytes(spec.payload)
@@ -322,7 +335,7 @@ def run_local(spec: RunSpec, np: int) -> bytes:
             rendezvous.init(plan)
             failure = run_ranks(spec, plan, list(plan.slots), task, env, rendezvous=("127.0.0.1", rendezvous.port))
         else:
-            failure = run_ranks(spec, plan, list(plan.slots), task, env, mpirun=mpirun_argv(None, np=np, iface="lo"))
+            failure = run_ranks(spec, plan, list(plan.slots), task, env, mpirun=mpirun_argv(None, np=np, networks=plan.networks))
         upload_artifacts(spec, task)
         if failure is not None:
             raise TaskFailure(failure.with_tail(rank_tails([s for s in plan.slots if s.rank == failure.rank]).get(str(failure.rank), [])))

@@ -343,12 +343,14 @@ class ChannelClient:
         self._conn: wire.ClientConnection | None = None
         self._thread: threading.Thread | None = None
         self.stopped = threading.Event()
+        self.connect_error: str | None = None  # why the driver could not be reached, when it could not
         if address is None:
             return
         try:
             self._conn = wire.connect(address, credentials, timeout=connect_timeout)
-        except OSError:
+        except OSError as err:
             self._conn = None
+            self.connect_error = str(err) or type(err).__name__
             return
         self._thread = threading.Thread(target=self._loop, name="hvdrunner-channel-client", daemon=True)
         self._thread.start()

@@ -104,6 +104,7 @@ class JobEnded:
 
     value: Any = None
     error: BaseException | None = None
+    failure: Failure | None = None  # a task's own report inside ``error`` (it could not use the channel)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from airflow_provider_horovod.runner import procs, wire
 from airflow_provider_horovod.runner.host import WORKER
-from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, TaskDir, new_temp_dir
+from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, new_temp_dir
 from airflow_provider_horovod.runner.plan import Plan
 
 
@@ -56,25 +56,25 @@ _URI = re.compile(r"^\d+\.\d+;(?P<uris>.+)$")
 _TCP = re.compile(r"^tcp6?://(?P<addrs>[^/]+):(?P<port>\d+)$")
 
 
-def _hnp_addresses(value: str) -> list[str] | None:
-    """The addresses in an HNP URI (``jobid.vpid;tcp://a,b:port;tcp6://[c]:port``), or None if malformed."""
+def _hnp_addresses(value: str) -> list[list[str]] | None:
+    """The addresses of each URI in an HNP URI (``jobid.vpid;tcp://a,b:port;tcp6://[c]:port``), or None if malformed."""
     found = _URI.match(value)
     if not found:
         return None
-    addresses = []
+    uris = []
     for uri in found.group("uris").split(";"):
         tcp = _TCP.match(uri)
         if not tcp:
             return None
-        for addr in tcp.group("addrs").split(","):
-            try:
-                addresses.append(str(ipaddress.ip_address(addr.strip("[]"))))
-            except ValueError:
-                return None
-    return addresses
+        try:
+            uris.append([str(ipaddress.ip_address(addr.strip("[]"))) for addr in tcp.group("addrs").split(",")])
+        except ValueError:
+            return None
+    return uris
 
 
-def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | None = None) -> None:
+def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | None = None, *,
+                agent: str | None = None) -> None:
     """Refuse (``OrtedRefused``) any ``orted`` command line but the one this run's mpirun produces.
 
     The options mpirun itself was given (``mpirun_argv``) must come back with the same values; the
@@ -84,7 +84,7 @@ def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | No
     Anything else (``orte_fork_agent``, ``orte_launch_agent``, a foreign HNP ...) is refused.
     """
     root = plan.slots[0]
-    ours = mpirun_argv(plan, agent=TaskDir(root.task_dir).agent, iface=root.iface)
+    ours = mpirun_argv(plan, agent=agent, networks=plan.networks)
     exact = {ours[i + 1]: ours[i + 2] for i, word in enumerate(ours) if word == "-mca"}
     exact.update({k[len("OMPI_MCA_"):]: v for k, v in env.items() if k.startswith("OMPI_MCA_")})
     exact.pop("orte_tmpdir_base", None)  # the exec service's own, per orted
@@ -103,8 +103,12 @@ def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | No
         if key == "pmix":
             return bool(_COMPONENTS.match(value))
         if key == "orte_hnp_uri":
-            addresses = _hnp_addresses(value)
-            return bool(addresses) and all(a == root_address for a in addresses)
+            # the first URI is partition 0's address; further ones (IPv6 on the same interface)
+            # may only name a loopback or link-local address
+            uris = _hnp_addresses(value)
+            return bool(uris) and uris[0] == [root_address] and all(
+                a == root_address or ipaddress.ip_address(a).is_loopback or ipaddress.ip_address(a).is_link_local
+                for uri in uris[1:] for a in uri)
         raise OrtedRefused("orted option -mca %s is not one this run's mpirun passes" % key)
 
     if argv[:1] != ["orted"]:
@@ -254,16 +258,25 @@ class ExecService:
         shutil.rmtree(self._session_dir, ignore_errors=True)
 
 
-def write_agent(task: TaskDir) -> Path:
-    """The executable that ``-mca plm_rsh_agent`` points at (``rsh.py``: it imports almost nothing)."""
-    path = task.agent
-    path.write_text("#!%s\nfrom airflow_provider_horovod.runner.rsh import main\nmain()\n" % sys.executable)
-    path.chmod(0o700)
-    return path
+def agent_command() -> str:
+    """What ``-mca plm_rsh_agent`` runs: this Python with ``rsh.py`` (it imports almost nothing).
+
+    Open MPI hands the agent to every ``orted`` too, and each ``orted`` refuses to start when the
+    agent's program is not found on *its* host, so it must be a path every host has: the Python
+    that Spark runs on every executor, never a file in one task's folder.
+    """
+    if " " in sys.executable:
+        raise ValueError("mpirun needs a Python path without spaces on the executors (Open MPI splits "
+                         "plm_rsh_agent on spaces); got %r. Use launcher='gloo' or another path." % sys.executable)
+    return "%s -m airflow_provider_horovod.runner.rsh" % sys.executable
 
 
-def mpirun_argv(plan: Plan | None, *, agent: Path | None = None, iface: str, np: int = 0) -> list[str]:
-    """The ``mpirun`` command for ``plan`` (or for ``np`` local processes when ``plan`` is None)."""
+def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[str], np: int = 0) -> list[str]:
+    """The ``mpirun`` command for ``plan`` (or for ``np`` local processes when ``plan`` is None).
+
+    Open MPI's TCP traffic (``btl_tcp``: the ranks' messages; ``oob_tcp``: mpirun <-> orted) is
+    kept to ``networks`` (CIDR), which every host matches with whatever its interface is called.
+    """
     argv = ["mpirun"]
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
@@ -272,10 +285,11 @@ def mpirun_argv(plan: Plan | None, *, agent: Path | None = None, iface: str, np:
     else:
         hosts = ",".join("%s:%d" % (name, len(slots)) for name, slots in plan.hosts)
         argv += ["-np", str(plan.size), "-H", hosts]
-        argv += ["-mca", "plm_rsh_agent", str(agent), "-mca", "plm_rsh_no_tree_spawn", "1"]
+        argv += ["-mca", "plm_rsh_agent", agent or agent_command(), "-mca", "plm_rsh_no_tree_spawn", "1"]
     argv += ["--leave-session-attached", "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "self,tcp,vader"]
-    if iface:
-        argv += ["-mca", "btl_tcp_if_include", iface, "-mca", "oob_tcp_if_include", iface]
+    if networks:
+        include = ",".join(networks)
+        argv += ["-mca", "btl_tcp_if_include", include, "-mca", "oob_tcp_if_include", include]
     return argv + WORKER
 
 
@@ -289,3 +303,16 @@ def interface_for(address: str) -> str:
                 return name
     return ""
 
+
+def network_for(address: str) -> str:
+    """The network of the interface that holds ``address``, in CIDR notation (``127.0.0.0/8`` for
+    loopback); empty when no interface holds it."""
+    import ipaddress
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address and a.netmask:
+                return str(ipaddress.ip_interface("%s/%s" % (address, a.netmask)).network)
+    return ""

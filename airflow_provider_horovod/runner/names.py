@@ -51,7 +51,6 @@ ERROR_FILE = "rank-%d.error.json"
 RANK_LOG = "rank-%d.log"
 MPIRUN_LOG = "mpirun.log"
 ORTED_LOG = "orted.log"
-AGENT_FILE = "hvdrunner-rsh"
 AGENT_LOG = "rsh.log"  # the agent's own words (Open MPI sends its output to /dev/null)
 # Keys are handed over in 0600 files in the task's 0700 folder, never through the environment:
 RANK_KEY = "rank-%d.key"  # a rank's channel key; the rank removes it once read
@@ -104,7 +103,6 @@ class TaskDir:
     result = property(lambda self: self.path / RESULT_FILE)
     mpirun_log = property(lambda self: self.path / MPIRUN_LOG)
     orted_log = property(lambda self: self.path / ORTED_LOG)
-    agent = property(lambda self: self.path / AGENT_FILE)
     rsh_log = property(lambda self: self.path / AGENT_LOG)
     artifacts = property(lambda self: self.path / ARTIFACTS_DIR)
     resume = property(lambda self: self.path / RESUME_DIR)

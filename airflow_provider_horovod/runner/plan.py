@@ -30,7 +30,8 @@ class TaskFacts:
     gpus: tuple[str, ...] = ()
     service_port: int = 0  # exec service (mpirun) of this task
     rendezvous_port: int = 0  # Horovod's rendezvous server (gloo, partition 0 only)
-    iface: str = ""
+    iface: str = ""  # the name of the interface holding ``address`` on this host (Gloo uses it)
+    network: str = ""  # that interface's network in CIDR notation, e.g. ``10.0.3.0/24`` (mpirun uses it)
     missing: tuple[str, ...] = ()  # programs the launcher needs that are not on PATH here
 
     def to_json(self) -> str:
@@ -62,6 +63,7 @@ class Slot:
     task_dir: str
     gpus: tuple[str, ...]
     iface: str
+    network: str = ""  # CIDR of the network ``address`` is on
     service_port: int = 0  # the exec service of this slot's task (mpirun)
     rendezvous_port: int = 0  # Horovod's rendezvous server in this slot's task (Gloo, rank 0)
 
@@ -81,6 +83,12 @@ class Plan:
         for slot in self.slots:
             out.setdefault(slot.hostname, []).append(slot)
         return list(out.items())
+
+    @property
+    def networks(self) -> list[str]:
+        """The networks (CIDR) the hosts reach each other on, in rank order, each once. Interfaces
+        are chosen by network, never by name: hosts name their NICs differently (``eth0``, ``ens5``)."""
+        return list(dict.fromkeys(s.network for s in self.slots if s.network))
 
     def for_partition(self, partition: int) -> Slot:
         return next(s for s in self.slots if s.partition == partition)
@@ -134,6 +142,7 @@ def make_plan(facts: list[TaskFacts]) -> Plan:
                 task_dir=f.task_dir,
                 gpus=f.gpus,
                 iface=f.iface,
+                network=f.network,
                 service_port=f.service_port,
                 rendezvous_port=f.rendezvous_port,
             )

@@ -1,4 +1,4 @@
-"""``hvdrunner-rsh <host> orted <args...>``: mpirun's rsh agent, without SSH.
+"""``python -m airflow_provider_horovod.runner.rsh <host> orted <args...>``: mpirun's rsh agent, without SSH.
 
 Open MPI calls it once per host (``-mca plm_rsh_agent``); it asks the exec service in that host's
 barrier task (authenticated with the run's secret) to start ``orted``, and holds the connection
@@ -14,7 +14,7 @@ import signal
 import sys
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.names import ENV_EXEC_SERVICES, EXEC_KEY
+from airflow_provider_horovod.runner.names import AGENT_LOG, ENV_EXEC_SERVICES, ENV_PLAN, EXEC_KEY
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,8 +30,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _note(line: str) -> None:
-    """Open MPI discards the agent's output; its words go next to it, into the task folder."""
-    with contextlib.suppress(OSError), open(os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "rsh.log"), "a") as f:
+    """Open MPI discards the agent's output; its words go into the task folder of the mpirun that called it."""
+    plan = os.environ.get(ENV_PLAN)
+    if not plan:
+        return
+    with contextlib.suppress(OSError), open(os.path.join(os.path.dirname(plan), AGENT_LOG), "a") as f:
         f.write(line + "\n")
 
 
@@ -45,8 +48,8 @@ def _run(argv: list[str]) -> int:
         _note("hvdrunner-rsh: no exec service for host %r (known: %s)" % (host, sorted(services)))
         return 255
     addr, _, port = services[host].rpartition(":")
-    # the key is in a private file next to this agent (never in mpirun's or this process's environ)
-    with open(os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), EXEC_KEY)) as f:
+    # the key is in a private file in mpirun's task folder (never in mpirun's or this process's environ)
+    with open(os.path.join(os.path.dirname(os.environ[ENV_PLAN]), EXEC_KEY)) as f:
         key = bytes.fromhex(f.read())
     conn = wire.connect((addr, int(port)), wire.Credentials(wire.ROLE_EXEC, key), timeout=30)
     signal.signal(signal.SIGTERM, lambda *_: (conn.close(), os._exit(143)))
@@ -57,3 +60,7 @@ def _run(argv: list[str]) -> int:
         code = int(conn.recv().get("exit", 255))
     conn.close()
     return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    main()

@@ -157,8 +157,7 @@ class Supervisor:
         if isinstance(event, TaskLost):
             if event.partition in self.finished:
                 return []
-            return self._on_failure(Failure("The barrier task of partition %d died (its Python worker is gone)."
-                                            % event.partition), now)
+            return self._on_failure(self._lost(event.partition), now)
         if isinstance(event, TaskFinished):
             return self._on_finished(event, now)
         if isinstance(event, UploadStarted):
@@ -168,6 +167,10 @@ class Supervisor:
             self.upload = "failed" if event.error else "done"
             return []
         if isinstance(event, JobEnded):
+            if event.failure is not None:
+                # A task that could not use the channel said why in the stage's error: that comes
+                # first, before the loss of the tasks Spark aborted because of it.
+                self.failures.insert(0, event.failure)
             self.job_ended = event
             self._mark("job-ended", now)
             self.phase = "ended"
@@ -189,6 +192,17 @@ class Supervisor:
             return self._on_failure(err.failure, now)
         self.phase = "preparing"
         return [SendPlan(self.plan)]
+
+    def _lost(self, partition: int) -> Failure:
+        """A task's connection dropped before it finished: its Python worker, its executor or its
+        whole machine is gone. Says which host, from the plan (or the task's facts before it)."""
+        slot = self.plan.for_partition(partition) if self.plan is not None else None
+        facts = self._facts.get(partition)
+        executor = slot.executor if slot is not None else (facts.executor if facts is not None else None)
+        host = slot.hostname if slot is not None else None
+        where = "" if executor is None else " on %s(executor %s)" % ("host %s " % host if host else "", executor)
+        return Failure("The barrier task of partition %d%s died: its Python worker, its executor or that machine "
+                       "is gone." % (partition, where), host=host, executor=executor)
 
     def _on_failure(self, failure: Failure, now: float) -> list[Action]:
         self.failures.append(failure)

@@ -189,3 +189,19 @@ def exit_job(victim: int = 1, when: str = "inside", code: int = 3):
         while True:  # the others wait in a collective that never completes
             hvd.allreduce(torch.ones(1))
     return "returned"
+
+
+def steps_job(steps: int = 100000, pause: float = 0.2):
+    """Trains (one allreduce a step) until ``steps``; rank 0 prints ``step N`` after each, so a
+    driver can act mid-training by watching the lines it streams."""
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    for step in range(steps):
+        hvd.allreduce(torch.ones(1))
+        if hvd.rank() == 0:
+            print("step %d" % step, flush=True)
+        time.sleep(pause)
+    return {"steps": steps, "size": hvd.size(), "local_size": hvd.local_size()}
+

@@ -14,8 +14,7 @@ import pytest
 
 from airflow_provider_horovod.runner import wire
 from airflow_provider_horovod.runner.host import WORKER
-from airflow_provider_horovod.runner.mpi import ExecService, OrtedRefused, check_orted, mpirun_argv, orted_argv
-from airflow_provider_horovod.runner.names import TaskDir
+from airflow_provider_horovod.runner.mpi import ExecService, OrtedRefused, agent_command, check_orted, mpirun_argv, orted_argv
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan
 from tests.security.attacker import EXEC, RANK, SECRET, TASK, hung_up, settle
 
@@ -30,22 +29,23 @@ def _plan(tmp_path: Path, hosts: int = 2, per_host: int = 1) -> Plan:
         task = tmp_path / ("task-%d" % p)
         task.mkdir()
         facts.append(TaskFacts(partition=p, executor="127.0.0.1:%d" % (p // per_host), address="127.0.0.1",
-                               pid=os.getpid(), task_dir=str(task), python="3.11", iface="lo"))
+                               pid=os.getpid(), task_dir=str(task), python="3.11", iface="lo", network="127.0.0.0/8"))
     return make_plan(facts)
 
 
 @pytest.fixture(scope="module")
 def orted_words(tmp_path_factory) -> tuple[Plan, list[str]]:
-    """The words a real mpirun hands its rsh agent for this runner's own mpirun command line."""
+    """The words a real mpirun hands its rsh agent for this runner's own mpirun command line (a
+    recording agent stands in for the runner's, whose command then takes its place in the words)."""
     plan = _plan(tmp_path_factory.mktemp("mpirun"))
-    agent = TaskDir(plan.slots[0].task_dir).agent
+    agent = tmp_path_factory.mktemp("agent") / "record-agent"
     agent.write_text("#!/bin/sh\nfor w in \"$@\"; do printf '%%s\\n' \"$w\"; done > %s/words-$1\nexit 1\n" % agent.parent)
     agent.chmod(0o700)
-    argv = mpirun_argv(plan, agent=agent, iface="lo")[: -len(WORKER)] + ["true"]
+    argv = mpirun_argv(plan, agent=str(agent), networks=plan.networks)[: -len(WORKER)] + ["true"]
     subprocess.run(argv, capture_output=True, timeout=60, env=_MPIRUN_ENV)
     words = (agent.parent / "words-hvdhost1").read_text().splitlines()  # the second host's orted
     assert words[0] == "hvdhost1"
-    return plan, words[1:]
+    return plan, [agent_command() if w == str(agent) else w for w in words[1:]]
 
 
 @pytest.fixture

@@ -64,3 +64,26 @@ def test_plan_round_trips_through_json():
 def test_empty_plan_is_refused():
     with pytest.raises(ValueError):
         make_plan([])
+
+
+def test_mpirun_selects_interfaces_by_network_not_by_the_name_each_host_gives_its_nic():
+    from dataclasses import replace
+
+    from airflow_provider_horovod.runner.mpi import mpirun_argv
+
+    a = replace(facts(0, "a:1"), iface="eth0", network="10.0.3.0/24")
+    b = replace(facts(1, "b:1"), iface="ens5", network="10.0.3.0/24")
+    c = replace(facts(2, "c:1"), iface="enp7s0", network="10.0.4.0/24")  # a host on a routed neighbour subnet
+    plan = make_plan([a, b, c])
+    assert plan.networks == ["10.0.3.0/24", "10.0.4.0/24"]
+    argv = mpirun_argv(plan, agent="/x/agent", networks=plan.networks)
+    pairs = {argv[i + 1]: argv[i + 2] for i, word in enumerate(argv) if word == "-mca"}
+    assert pairs["btl_tcp_if_include"] == pairs["oob_tcp_if_include"] == "10.0.3.0/24,10.0.4.0/24"
+    assert not {"eth0", "ens5", "enp7s0"} & set(argv)
+
+
+def test_network_of_an_address_is_its_interfaces_cidr():
+    from airflow_provider_horovod.runner.mpi import network_for
+
+    assert network_for("127.0.0.1") == "127.0.0.0/8"
+    assert network_for("192.0.2.77") == ""  # held by no interface here (TEST-NET-1)

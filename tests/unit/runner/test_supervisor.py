@@ -163,7 +163,7 @@ def test_a_task_lost_before_it_finished_is_a_failure_and_after_is_nothing():
     sup.handle(TaskFinished(0), 5.0)
     assert sup.handle(TaskLost(0), 5.1) == []
     assert sup.handle(TaskLost(1), 5.2) == [Stop()]
-    assert "partition 1 died" in sup.cause.message
+    assert "partition 1 on host hvdhost0 (executor e:1) died" in sup.cause.message
 
 
 def test_a_job_that_never_returns_after_the_cut_off_is_given_up():
@@ -194,3 +194,20 @@ def test_deadlines_refuse_a_cancel_grace_that_breaks_the_ten_second_promise():
         Deadlines(cancel_grace_s=8.0)
     with pytest.raises(ValueError, match="start_timeout"):
         Deadlines(start_s=0)
+
+
+def test_a_lost_task_is_named_by_its_host_and_executor():
+    sup = launched()
+    sup.handle(TaskLost(1), 5.2)
+    slot = sup.plan.for_partition(1)
+    assert "host %s (executor %s)" % (slot.hostname, slot.executor) in sup.cause.message
+    assert sup.cause.host == slot.hostname and sup.cause.executor == slot.executor
+
+
+def test_a_tasks_own_report_in_the_stage_error_comes_before_the_tasks_spark_aborted_for_it():
+    sup = supervisor()
+    sup.handle(TaskStarted(0, "a:1"), 0.1)
+    sup.handle(TaskLost(0), 2.0)  # Spark aborted the stage: partition 1 could not reach the channel
+    unreachable = Failure("The barrier task of partition 1 cannot reach the driver's channel at 10.0.0.1:4242")
+    sup.handle(JobEnded(error=RuntimeError("stage failed"), failure=unreachable), 3.0)
+    assert sup.done and sup.cause is unreachable

@@ -1,0 +1,261 @@
+"""The driver's side of the multi-host scenarios: runs inside the test bed's driver namespace, with
+one SparkSession on the bed's standalone cluster, and writes what each run showed.
+
+usage: python -m tests.integration.scenarios.bed_runs BED_JSON MASTER CONF_JSON OUT_JSON [RUN...]
+
+The runs go in order (the last one loses a whole host). Each records its result or error, the
+plan, its wall time and which runner processes (rank, orted, mpirun, reaper) were still alive on
+each host afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RUNNER_PROCESSES = ("airflow_provider_horovod.runner.worker", "airflow_provider_horovod.runner.procs", "orted", "mpirun")
+
+
+class LineWatch(logging.Handler):
+    """Sets an event when a rank line streamed to the driver contains ``text``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text: str | None = None
+        self.seen = threading.Event()
+
+    def expect(self, text: str) -> threading.Event:
+        self.seen.clear()
+        self.text = text
+        return self.seen
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text and self.text in record.getMessage():
+            self.seen.set()
+
+
+class Scenarios:
+    def __init__(self, bed, spark, work: Path) -> None:
+        self.bed = bed
+        self.spark = spark
+        self.work = work
+        self.watch = LineWatch()
+        logging.basicConfig(level=logging.WARNING)
+        ranks = logging.getLogger("airflow_provider_horovod.ranks")
+        ranks.setLevel(logging.INFO)
+        ranks.addHandler(self.watch)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def leftovers(self, timeout: float = 10.0) -> dict[str, list[str]]:
+        """Runner processes still alive on each host, after waiting up to ``timeout`` for them to go."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {h.name: self.bed.processes(h, *RUNNER_PROCESSES) for h in self.bed.hosts.values()}
+            if not any(left.values()) or time.monotonic() > deadline:
+                return {k: v for k, v in left.items() if v}
+            time.sleep(0.2)
+
+    def runs_mpirun(self, host) -> bool:
+        import psutil
+
+        for pid in self.bed.pids(host):
+            try:
+                if psutil.Process(pid).name() == "mpirun":
+                    return True
+            except psutil.Error:
+                pass
+        return False
+
+    def run(self, runner, main: Callable, **kwargs: Any) -> dict[str, Any]:
+        started = time.monotonic()
+        out: dict[str, Any] = {}
+        try:
+            out["result"] = runner.run(main, **kwargs)
+        except Exception as err:  # noqa: BLE001 - what the user would see is the point
+            out.update(error_type=type(err).__name__, message=str(err), rank=getattr(err, "rank", None),
+                       host=getattr(err, "host", None))
+        out["ended_at"] = time.monotonic()
+        out["wall_s"] = round(out["ended_at"] - started, 2)
+        report = runner.last_run
+        out["plan"] = next((e["slots"] for e in report.events if e.get("kind") == "plan"), None)
+        out["orted_launched"] = sorted({e["executor"] for e in report.events if e.get("kind") == "orted-launched"})
+        out["report"] = {k: report[k] for k in ("status", "artifact_transport", "artifact_bytes", "checkpoint_path",
+                                                "timeline_path", "artifacts")}
+        out["leftovers"] = self.leftovers()
+        return out
+
+    def runner(self, np: int, launcher: str, **kwargs: Any):
+        from airflow_provider_horovod import HorovodRunner
+
+        return HorovodRunner(np, launcher=launcher, spark=self.spark, **kwargs)
+
+    def cancel_when(self, runner, event: threading.Event, timeout: float = 120) -> dict[str, float]:
+        """Cancel ``runner`` from another thread once ``event`` is set; returns when it was cancelled."""
+        when: dict[str, float] = {}
+
+        def go() -> None:
+            if event.wait(timeout):
+                when["cancelled_at"] = time.monotonic()
+                runner.cancel()
+
+        threading.Thread(target=go, daemon=True).start()
+        return when
+
+    # -- the runs --------------------------------------------------------------------------------
+    def layout(self, launcher: str, np: int) -> dict[str, Any]:
+        from tests.integration import jobs
+
+        return self.run(self.runner(np, launcher), jobs.allreduce_job, tag="%s-%d" % (launcher, np))
+
+    def artifacts(self) -> dict[str, Any]:
+        """np=4 (2 hosts x 2): resume_from reaches every rank on both hosts; rank 0's checkpoints and
+        timeline come back by stream (the driver cannot see a worker's /tmp)."""
+        import torch
+
+        from tests.integration import jobs
+
+        resume = self.work / "resume"
+        resume.mkdir()
+        torch.manual_seed(0)
+        torch.save({"epoch": 0, "model": torch.nn.Linear(3, 1).state_dict()}, resume / "epoch-0.pt")
+        runner = self.runner(4, "mpirun", artifact_dir=self.work / "artifacts", resume_from=resume, timeline=True)
+        out = self.run(runner, jobs.checkpoint_job, epochs=3)
+        if out.get("report", {}).get("checkpoint_path"):
+            ckpt = Path(out["report"]["checkpoint_path"])
+            out["checkpoints"] = sorted(p.name for p in ckpt.iterdir())
+            out["last_epoch"] = torch.load(ckpt / "epoch-2.pt")["epoch"]
+        return out
+
+    def cancel_training(self, launcher: str) -> dict[str, Any]:
+        from tests.integration import jobs
+
+        runner = self.runner(2, launcher)
+        when = self.cancel_when(runner, self.watch.expect("step 3"))
+        out = self.run(runner, jobs.steps_job)
+        out["cancel_to_return_s"] = round(time.monotonic() - when["cancelled_at"], 2) if when else None
+        return out
+
+    def cancel_transfer(self) -> dict[str, Any]:
+        """Rank 0's host sends at 40 Mbit/s: a 48 MiB checkpoint takes ~10 s; cancel once part of it is in."""
+        from tests.integration import jobs
+
+        for host in self.bed.workers:
+            self.bed.shape(host, "40mbit")
+        try:
+            artifact_dir = self.work / "cancelled-artifacts"
+            runner = self.runner(2, "mpirun", artifact_dir=artifact_dir)
+            arrived = threading.Event()
+
+            def watch_staging() -> None:
+                while not arrived.is_set():
+                    for part in artifact_dir.glob(".incoming-*/**/*.partial"):
+                        if part.stat().st_size > (4 << 20):
+                            arrived.set()
+                    time.sleep(0.05)
+
+            threading.Thread(target=watch_staging, daemon=True).start()
+            when = self.cancel_when(runner, arrived)
+            out = self.run(runner, jobs.checkpoint_job, epochs=1, big_mb=48)
+            arrived.set()
+            out["cancel_to_return_s"] = round(time.monotonic() - when["cancelled_at"], 2) if when else None
+            return out
+        finally:
+            for host in self.bed.workers:
+                self.bed.unshape(host)
+
+    def rank_killed(self, launcher: str) -> dict[str, Any]:
+        from tests.integration import jobs
+
+        return self.run(self.runner(2, launcher), jobs.sigkill_job, victim=1)
+
+    def channel_blocked(self) -> dict[str, Any]:
+        """A firewall in front of the driver lets the executors reach Spark's ports only (the bed
+        gives the driver's other ports the range 40960-41983): one host cannot reach the channel."""
+        from tests.integration import jobs
+
+        blocked = self.bed.workers[-1]
+        self.bed.block_new_connections(blocked, self.bed.driver, 0xA000, 0xFC00)
+        try:
+            out = self.run(self.runner(2, "mpirun", start_timeout=40), jobs.allreduce_job)
+        finally:
+            self.bed.unshape(blocked)
+        out["blocked_host"] = blocked.address
+        return out
+
+    def host_lost(self) -> dict[str, Any]:
+        """A whole worker host dies mid-training (every process on it killed at once); then the
+        next run goes on the capacity that is left."""
+        from tests.integration import jobs
+
+        runner = self.runner(2, "mpirun")
+        seen = self.watch.expect("step 3")
+        killed: dict[str, Any] = {}
+
+        def kill() -> None:
+            if seen.wait(120):
+                # the host without mpirun: rank 0's host (mpirun runs in partition 0's task) survives
+                victim = next(h for h in self.bed.workers if not self.runs_mpirun(h))
+                killed.update(host=victim.address, at=time.monotonic(), processes=self.bed.kill_host(victim))
+
+        threading.Thread(target=kill, daemon=True).start()
+        out = self.run(runner, jobs.steps_job)
+        out["killed"] = killed
+        out["kill_to_error_s"] = round(out["ended_at"] - killed["at"], 2) if killed else None
+        survivors = [h for h in self.bed.workers if h.address != killed.get("host")]
+        out["survivor_leftovers"] = {h.name: self.bed.processes(h, *RUNNER_PROCESSES) for h in survivors}
+        out["next"] = self.run(self.runner(2, "gloo", start_timeout=30), jobs.allreduce_job, tag="after-loss")
+        return out
+
+
+RUNS = ("mpirun-2", "gloo-2", "mpirun-4", "gloo-4", "artifacts", "cancel-training", "cancel-transfer",
+        "rank-killed-mpirun", "rank-killed-gloo", "channel-blocked", "host-lost")
+
+
+def main() -> None:
+    bed_json, master, conf, out_path = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+    wanted = sys.argv[5:] or list(RUNS)
+    from pyspark.sql import SparkSession
+
+    from tests.integration.netbed import NetBed
+
+    bed = NetBed.from_json(bed_json)
+    builder = SparkSession.builder.master(master).appName("hvdrunner-bed-tests")
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    work = Path(out_path).parent / "driver"  # next to the output: the test reads the committed artifacts
+    work.mkdir()
+    s = Scenarios(bed, spark, work)
+    calls: dict[str, Callable[[], dict[str, Any]]] = {
+        "mpirun-2": lambda: s.layout("mpirun", 2), "gloo-2": lambda: s.layout("gloo", 2),
+        "mpirun-4": lambda: s.layout("mpirun", 4), "gloo-4": lambda: s.layout("gloo", 4),
+        "artifacts": s.artifacts, "cancel-training": lambda: s.cancel_training("gloo"),
+        "cancel-transfer": s.cancel_transfer, "rank-killed-mpirun": lambda: s.rank_killed("mpirun"),
+        "rank-killed-gloo": lambda: s.rank_killed("gloo"), "channel-blocked": s.channel_blocked,
+        "host-lost": s.host_lost,
+    }
+    results: dict[str, Any] = {"driver_pid": os.getpid()}
+    try:
+        for name in wanted:
+            try:
+                results[name] = calls[name]()
+            except Exception:  # noqa: BLE001 - the scenario broke, not the engine: the test says which
+                results[name] = {"scenario_error": traceback.format_exc()}
+            print("bed run %s: %s s" % (name, results[name].get("wall_s")), flush=True)
+            with open(out_path, "w") as f:
+                json.dump(results, f, default=str)
+    finally:
+        spark.stop()
+
+
+if __name__ == "__main__":
+    main()

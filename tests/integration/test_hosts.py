@@ -1,0 +1,188 @@
+"""The engine across real hosts: a driver host and two worker hosts, each in its own network
+namespace with its own address, its own interface name and its own /tmp (``netbed.py``), a Spark
+standalone master on the driver host and one worker per worker host, each bound to its address.
+
+One bed (torn down after this module) and one SparkSession serve every test here: the driver's
+side of all scenarios runs once, in order, inside the driver's namespace (``scenarios/bed_runs.py``),
+and each test reads what one run showed. The last run loses a whole host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.netbed import BedCluster, NetBed
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO_TIMEOUT_S = 540
+
+
+@pytest.fixture(scope="module")
+def netbed():
+    why = NetBed.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    bed = NetBed(workers=2)
+    try:
+        bed.up()
+        # The driver's own ports (the engine's channel among them) come from this range; Spark's
+        # are fixed outside it (BedCluster.app_conf), so a firewall can tell them apart.
+        bed.set_port_range(bed.driver, 40960, 41983)
+        yield bed
+    finally:
+        bed.down()
+        assert bed.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def bed_cluster(netbed, tmp_path_factory):
+    cluster = BedCluster(netbed, tmp_path_factory.mktemp("bed-spark-logs"), cores=2)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def bed_runs(netbed, bed_cluster, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bed-out") / "runs.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SPARK_LOCAL_IP=netbed.driver.address)
+    argv = [sys.executable, "-m", "tests.integration.scenarios.bed_runs", netbed.to_json(), bed_cluster.master,
+            json.dumps(bed_cluster.app_conf()), str(out)]
+    argv += os.environ.get("HVDTB_RUNS", "").split()  # a subset, to debug one scenario
+    proc = netbed.popen(netbed.driver, argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True)
+    try:
+        output, _ = proc.communicate(timeout=SCENARIO_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert out.exists(), output[-5000:]
+    runs = json.loads(out.read_text())
+    runs["_output"] = output
+    return runs
+
+
+def run_of(bed_runs, name: str) -> dict:
+    got = bed_runs.get(name)
+    assert got is not None, "run %s did not happen:\n%s" % (name, bed_runs["_output"][-3000:])
+    assert "scenario_error" not in got, got["scenario_error"]
+    return got
+
+
+def hosts_of(plan: list[dict]) -> list[str]:
+    return [slot["address"] for slot in plan]
+
+
+def test_each_bed_host_has_its_own_address_interface_name_host_name_and_files(netbed, tmp_path):
+    driver_file = tmp_path / "only-on-the-driver"
+    driver_file.write_text("x")
+    names = set()
+    for host in netbed.workers:
+        def on_host(*argv: str) -> subprocess.CompletedProcess:
+            return netbed.run(host, list(argv), capture_output=True, text=True)
+
+        assert on_host("cat", str(driver_file)).returncode != 0  # the driver's /tmp is not this host's
+        addrs = on_host("ip", "-o", "-4", "addr", "show", "dev", host.iface).stdout
+        assert "%s/24" % host.address in addrs
+        names.add(on_host("hostname").stdout.strip())
+    assert names == {h.hostname for h in netbed.workers} and len(names) == len(netbed.workers)
+    assert len({h.iface for h in netbed.hosts.values()}) == len(netbed.hosts)
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_one_rank_per_host_across_hosts_whose_interfaces_are_named_differently(netbed, bed_runs, launcher):
+    got = run_of(bed_runs, "%s-2" % launcher)
+    assert "error_type" not in got, got.get("message")
+    assert got["result"]["sum"] == 3.0
+    layout = [(r["rank"], r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) for r in got["result"]["ranks"]]
+    assert layout == [(0, 0, 1, 0, 2), (1, 0, 1, 1, 2)]
+    worker_addresses = {h.address for h in netbed.workers}
+    assert set(hosts_of(got["plan"])) == worker_addresses  # one rank on each worker host
+    assert {slot["iface"] for slot in got["plan"]} == {h.iface for h in netbed.workers}  # eth0 and ens5
+    assert {slot["network"] for slot in got["plan"]} == {"%s.0/24" % netbed.subnet}
+    if launcher == "mpirun":  # orted started on each host by that host's exec service
+        assert {e.rsplit(":", 1)[0] for e in got["orted_launched"]} == worker_addresses
+    assert got["leftovers"] == {}
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_two_hosts_with_two_slots_each_give_local_and_cross_ranks_as_horovod(netbed, bed_runs, launcher):
+    got = run_of(bed_runs, "%s-4" % launcher)
+    assert "error_type" not in got, got.get("message")
+    assert got["result"]["sum"] == 10.0
+    layout = [(r["rank"], r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) for r in got["result"]["ranks"]]
+    assert layout == [(0, 0, 2, 0, 2), (1, 1, 2, 0, 2), (2, 0, 2, 1, 2), (3, 1, 2, 1, 2)]
+    addresses = hosts_of(got["plan"])
+    assert addresses[0] == addresses[1] != addresses[2] == addresses[3]  # ranks contiguous per host
+    assert got["leftovers"] == {}
+
+
+def test_checkpoint_and_timeline_come_back_by_stream_and_resume_from_reaches_every_host(netbed, bed_runs):
+    got = run_of(bed_runs, "artifacts")
+    assert "error_type" not in got, got.get("message")
+    result = got["result"]
+    assert result["start"] == 1  # every rank resumed after epoch 0 of resume_from
+    assert len(result["resume_seen"]) == 4 and None not in result["resume_seen"]
+    assert len(set(hosts_of(got["plan"]))) == 2
+    # The driver cannot read a worker host's /tmp: the files came over the channel.
+    assert got["report"]["artifact_transport"] == "stream"
+    assert got["checkpoints"] == ["epoch-1.pt", "epoch-2.pt"] and got["last_epoch"] == 2
+    assert got["report"]["status"] == "success" and got["report"]["artifacts"]["complete"] is True
+    assert json.loads(Path(got["report"]["timeline_path"]).read_text())
+    assert got["leftovers"] == {}
+
+
+def test_cancel_mid_training_leaves_no_process_on_any_host(bed_runs):
+    got = run_of(bed_runs, "cancel-training")
+    assert got["error_type"] == "RunCancelledError", got.get("message")
+    assert got["cancel_to_return_s"] is not None and got["cancel_to_return_s"] <= 10
+    assert got["leftovers"] == {}
+
+
+def test_cancel_mid_transfer_leaves_no_process_and_no_complete_checkpoint(bed_runs):
+    got = run_of(bed_runs, "cancel-transfer")
+    assert got["error_type"] == "RunCancelledError", got.get("message")
+    assert got["cancel_to_return_s"] is not None and got["cancel_to_return_s"] <= 10
+    assert got["report"]["artifacts"]["complete"] is False
+    assert got["leftovers"] == {}
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_a_rank_killed_on_one_host_fails_the_run_naming_rank_and_host(netbed, bed_runs, launcher):
+    got = run_of(bed_runs, "rank-killed-%s" % launcher)
+    assert got["error_type"] == "HorovodRunError"
+    assert got["rank"] == 1 and "SIGKILL" in got["message"]
+    rank1_host = got["plan"][1]["address"]
+    assert rank1_host in got["message"]  # the executor's address names the machine
+    assert got["leftovers"] == {}
+
+
+def test_executors_that_cannot_reach_the_drivers_channel_get_an_error_naming_it(netbed, bed_runs):
+    got = run_of(bed_runs, "channel-blocked")
+    assert got["error_type"] == "HorovodRunError", got.get("message")
+    assert "%s:" % netbed.driver.address in got["message"] and got["blocked_host"] in got["message"]
+    assert "spark.driver.host" in got["message"]
+    assert got["wall_s"] <= 40  # within start_timeout
+    assert got["leftovers"] == {}
+
+
+def test_a_lost_host_ends_the_run_naming_it_and_the_remaining_capacity_still_trains(netbed, bed_runs):
+    got = run_of(bed_runs, "host-lost")
+    assert got["killed"]["processes"] > 0
+    assert got["error_type"] == "HorovodRunError", got.get("message")
+    assert got["killed"]["host"] in got["message"]
+    assert got["kill_to_error_s"] <= 60
+    assert got["leftovers"] == {} and not any(got["survivor_leftovers"].values())
+    after = got["next"]
+    assert "error_type" not in after, after.get("message")
+    assert after["result"]["sum"] == 3.0
+    assert {slot["address"] for slot in after["plan"]} == {h.address for h in netbed.workers} - {got["killed"]["host"]}

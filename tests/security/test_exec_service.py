@@ -45,7 +45,7 @@ def orted_words(tmp_path_factory) -> tuple[Plan, list[str]]:
     subprocess.run(argv, capture_output=True, timeout=60, env=_MPIRUN_ENV)
     words = (agent.parent / "words-hvdhost1").read_text().splitlines()  # the second host's orted
     assert words[0] == "hvdhost1"
-    return plan, [agent_command() if w == str(agent) else w for w in words[1:]]
+    return plan, [w.replace(str(agent), agent_command()) for w in words[1:]]
 
 
 @pytest.fixture

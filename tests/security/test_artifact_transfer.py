@@ -50,8 +50,11 @@ def _put(channel: Channel, offer, stream_root: Path | None = None, frames=None) 
             if frames is None:
                 send_tree(conn, stream_root)
             else:
-                for frame in frames:
-                    conn.send_bytes(frame) if isinstance(frame, bytes) else conn.send(frame)
+                try:
+                    for frame in frames:
+                        conn.send_bytes(frame) if isinstance(frame, bytes) else conn.send(frame)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the driver hung up on a bad frame before the rest arrived
         conn.sock.settimeout(10)
         try:
             return conn.recv()

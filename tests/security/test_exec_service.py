@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -178,4 +177,3 @@ def test_each_exec_service_gives_its_orted_a_session_directory_of_its_own():
     first.close()
     second.close()
     assert not any(os.path.exists(d) for d in dirs)
-    time.sleep(0)

@@ -3,9 +3,6 @@ that no connection (or burst of them) takes a service down. Findings 3, 6, 8 and
 
 from __future__ import annotations
 
-import json
-import os
-import resource
 import socket
 import subprocess
 import sys
@@ -29,7 +26,6 @@ CHANNEL_PROCESS = textwrap.dedent("""
     limit = int(sys.argv[2])
     if limit:
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-    seen = []
     channel = Channel(bytes.fromhex(sys.argv[1]), output=lambda rank, lines, callback: print(*lines, flush=True))
     print(channel.start("127.0.0.1")[1], flush=True)
     time.sleep(3600)

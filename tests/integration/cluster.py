@@ -33,6 +33,20 @@ def gpu_script(path: Path, addresses: list[str]) -> Path:
     return path
 
 
+def stop_process_groups(procs: list[subprocess.Popen]) -> None:
+    """TERM each process's group (Spark's launch scripts fork the JVM), then KILL what is still there after 10 s."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 class StandaloneCluster:
     def __init__(self, workdir: Path, workers: int = 2) -> None:
         self.workdir = workdir
@@ -92,13 +106,4 @@ class StandaloneCluster:
         }
 
     def stop(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_process_groups(self.procs)

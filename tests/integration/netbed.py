@@ -33,6 +33,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.integration.cluster import stop_process_groups
+
 PREFIX = "hvdtb"
 _NETNS = re.compile(r"^%s-(\d+)-([0-9a-f]{6})-" % PREFIX)
 WORKER_IFACES = ("eth0", "ens5", "enp7s0", "eth1")
@@ -357,13 +359,4 @@ class BedCluster:
         }
 
     def stop(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_process_groups(self.procs)

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -179,6 +183,7 @@ class HorovodRunnerHook(BaseHook):
 
         target = self.resolve_target()
         builder = SparkSession.builder.appName(self.app_name)
+        active = None
         # Spark's console progress bar only garbles the task log; the connection's conf can turn it on
         for key, value in {"spark.ui.showConsoleProgress": "false", **target.conf}.items():
             builder = builder.config(key, value)
@@ -190,7 +195,9 @@ class HorovodRunnerHook(BaseHook):
             self._owns_session = active is None
             builder = builder.master(target.master)
         self.log.info("Starting a SparkSession on %s (connection %r)", target.where, target.conn_id)
-        self._session = builder.getOrCreate()
+        starts_jvm = not target.remote and active is None
+        with jvm_output_to_log(JVM_LOG) if starts_jvm else contextlib.nullcontext():
+            self._session = builder.getOrCreate()
         return self._session
 
     def stop_session(self) -> None:
@@ -372,6 +379,56 @@ class HorovodRunnerHook(BaseHook):
             if item.is_file():
                 _download(item, local / item.relative_to(src).as_posix())
         return str(local)
+
+
+JVM_LOG = logging.getLogger("airflow_provider_horovod.spark")
+# log4j's default layout in Spark: "25/12/03 04:10:11 WARN NativeCodeLoader: Unable to load ..."
+JVM_LINE = re.compile(r"^\d\d/\d\d/\d\d \d\d:\d\d:\d\d (TRACE|DEBUG|INFO|WARN|ERROR|FATAL) ")
+JVM_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
+              "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
+
+
+@contextlib.contextmanager
+def jvm_output_to_log(logger: logging.Logger) -> Iterator[None]:
+    """Processes started inside (the Spark JVM) write their stdout and stderr to ``logger``, each line
+    at the level log4j gave it: a task log shows Spark's warnings as warnings, not as errors.
+
+    Lines without a level (banners, stack-trace lines) take the level of the line before them, INFO
+    at first. The process keeps its pipe for its whole life; a daemon thread forwards it.
+    """
+    read_fd, write_fd = os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved = (os.dup(1), os.dup(2))
+    os.dup2(write_fd, 1)
+    os.dup2(write_fd, 2)
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, write_fd):
+            os.close(fd)
+        threading.Thread(target=_forward_lines, args=(read_fd, logger), name="hvd-jvm-log", daemon=True).start()
+
+
+def _forward_lines(read_fd: int, logger: logging.Logger) -> None:
+    level = logging.INFO
+    with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            found = JVM_LINE.match(line)
+            if found:
+                level = JVM_LEVELS[found.group(1)]
+            elif not line[:1].isspace() and not line.startswith(("Caused by", "...")):
+                level = logging.INFO
+            logger.log(level, "%s", line)
 
 
 def _upload(local: Path, dest: ObjectStoragePath) -> None:

@@ -392,23 +392,28 @@ class Deployment:
         migrate = subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True, timeout=600)
         if migrate.returncode != 0:
             raise DeploymentError("airflow db migrate failed:\n%s" % (migrate.stdout + migrate.stderr)[-4000:])
-        for component in self.COMPONENTS:
-            log = (self.logs / ("%s.log" % component)).open("wb")
+        # The API server first: it is also the execution API, and a task the scheduler starts before
+        # it listens fails with "Connection refused" and an empty log.
+        self._start_component("api-server")
+        self._wait_healthy(("metadatabase",))
+        for component in self.COMPONENTS[1:]:
+            self._start_component(component)
+        self._wait_healthy(("metadatabase", "scheduler", "dag_processor", "triggerer"))
+
+    def _start_component(self, component: str) -> None:
+        with (self.logs / ("%s.log" % component)).open("wb") as log:
             self.procs[component] = subprocess.Popen([AIRFLOW, component], env=self.env, stdout=log,
                                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root)
-            log.close()
-        self._wait_healthy()
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, parts: tuple[str, ...]) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise DeploymentError("airflow %s exited with %s:\n%s" % (name, proc.returncode, self.process_log(name)))
-            with contextlib.suppress(httpx.HTTPError):
+            with contextlib.suppress(httpx.HTTPError, ValueError):
                 health = httpx.get(self.base_url + "/api/v2/monitor/health", timeout=5).json()
-                if all(health.get(part, {}).get("status") == "healthy" for part in ("metadatabase", "scheduler",
-                                                                                     "dag_processor", "triggerer")):
+                if all(health.get(part, {}).get("status") == "healthy" for part in parts):
                     return
             if time.monotonic() > deadline:
                 raise DeploymentError("The deployment was not healthy within %ss.\n%s"

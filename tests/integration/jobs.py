@@ -189,3 +189,19 @@ def exit_job(victim: int = 1, when: str = "inside", code: int = 3):
         while True:  # the others wait in a collective that never completes
             hvd.allreduce(torch.ones(1))
     return "returned"
+
+
+def checkpoint_then_sleep_job(step: int = 5, marker: str = ""):
+    """Rank 0 commits ``step.txt`` (write, then rename), touches ``marker``; every rank then sleeps."""
+    import horovod.torch as hvd
+
+    from airflow_provider_horovod import runtime
+
+    hvd.init()
+    if hvd.rank() == 0:
+        tmp = runtime.checkpoint_dir() / ".step.txt.tmp"
+        tmp.write_text(str(step))
+        os.replace(tmp, runtime.checkpoint_dir() / "step.txt")
+        if marker:
+            open(marker, "w").close()
+    time.sleep(600)

@@ -397,6 +397,8 @@ def jvm_output_to_log(logger: logging.Logger) -> Iterator[None]:
     at first. The process keeps its pipe for its whole life; a daemon thread forwards it.
     """
     read_fd, write_fd = os.pipe()
+    # read from the start: a JVM that fills the pipe before getOrCreate() returns would block
+    threading.Thread(target=_forward_lines, args=(read_fd, logger), name="hvd-jvm-log", daemon=True).start()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -413,7 +415,6 @@ def jvm_output_to_log(logger: logging.Logger) -> Iterator[None]:
         os.dup2(saved[1], 2)
         for fd in (*saved, write_fd):
             os.close(fd)
-        threading.Thread(target=_forward_lines, args=(read_fd, logger), name="hvd-jvm-log", daemon=True).start()
 
 
 def _forward_lines(read_fd: int, logger: logging.Logger) -> None:

@@ -15,7 +15,7 @@ from airflow.sdk import dag, task
 
 START = pendulum.datetime(2025, 1, 1, tz="UTC")
 STEP_FILE = "step.txt"
-TIMEOUT_S = 60  # the timed-out task's execution_timeout: enough for Spark to start and rank 0 to checkpoint
+TIMEOUT_S = 120  # the timed-out task's execution_timeout: Spark start + the first barrier job took up to 80 s on a loaded 2-core machine
 
 
 def checkpoint_then_wait(step: int) -> None:

@@ -180,7 +180,7 @@ def test_mark_failed_and_execution_timeout_store_rank_0s_checkpoint_as_cancelled
     assert (timed_out / "checkpoints" / "step.txt").read_text() == "7"
     log = api.log(dag_id, run_id, "until_timeout", 1)
     assert "Timeout" in log and "Horovod summary: cancelled" in log
-    assert "Resuming from checkpoint %s" % (timed_out / "checkpoints") in api.log(dag_id, run_id, "until_timeout", 2)
+    assert "Resuming from checkpoint file://%s" % (timed_out / "checkpoints") in api.log(dag_id, run_id, "until_timeout", 2)
     assert wait_gone(dag_id) == []
 
 
@@ -212,7 +212,7 @@ def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newe
     assert api.task_instance(dag_id, run_id, "crash")["state"] == "success"
     assert api.xcom(dag_id, run_id, "crash") == {"resumed_step": 1}
     assert not (airflow_deployment.artifact_folder(dag_id, run_id, "crash", 2) / "_ARTIFACTS.json").exists()
-    assert "Resuming from checkpoint %s" % (failed / "checkpoints") in api.log(dag_id, run_id, "crash", 3)
+    assert "Resuming from checkpoint file://%s" % (failed / "checkpoints") in api.log(dag_id, run_id, "crash", 3)
     assert wait_gone(dag_id) == []
 
 

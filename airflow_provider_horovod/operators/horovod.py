@@ -230,7 +230,8 @@ class HorovodRunnerOperator(BaseOperator):
         duration = xcom["duration_s"]
         self.log.info(
             "Horovod summary: %s; %s ranks with %s in %s s; resumed from %s; artifacts in %s (checkpoint: %s, timeline: %s)",
-            "succeeded" if error is None else last_run.get("status") or "failed", xcom["np"], xcom["launcher"],
+            "succeeded" if error is None else "cancelled" if last_run.get("status") == "cancelled" else "failed",
+            xcom["np"], xcom["launcher"],
             "%.1f" % duration if isinstance(duration, (int, float)) else "?", resumed_from or "nothing (a fresh start)",
             xcom["artifacts_uri"], xcom["checkpoint_uri"] or "none", xcom["timeline_uri"] or "none",
         )

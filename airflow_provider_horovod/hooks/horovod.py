@@ -394,11 +394,13 @@ def jvm_output_to_log(logger: logging.Logger) -> Iterator[None]:
     at the level log4j gave it: a task log shows Spark's warnings as warnings, not as errors.
 
     Lines without a level (banners, stack-trace lines) take the level of the line before them, INFO
-    at first. The process keeps its pipe for its whole life; a daemon thread forwards it.
+    at first. The process keeps its pipe for its whole life; a daemon thread forwards it. While this
+    process's own stdout and stderr point at the pipe (inside the ``with``), lines are held back and
+    logged on the way out: a log handler writing to stderr would otherwise feed the pipe itself.
     """
     read_fd, write_fd = os.pipe()
-    # read from the start: a JVM that fills the pipe before getOrCreate() returns would block
-    threading.Thread(target=_forward_lines, args=(read_fd, logger), name="hvd-jvm-log", daemon=True).start()
+    forwarder = _JvmLines(read_fd, logger)
+    forwarder.start()  # read from the start: a JVM that fills the pipe before getOrCreate() returns would block
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -415,21 +417,44 @@ def jvm_output_to_log(logger: logging.Logger) -> Iterator[None]:
         os.dup2(saved[1], 2)
         for fd in (*saved, write_fd):
             os.close(fd)
+        forwarder.release()
 
 
-def _forward_lines(read_fd: int, logger: logging.Logger) -> None:
-    level = logging.INFO
-    with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace") as lines:
-        for line in lines:
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            found = JVM_LINE.match(line)
-            if found:
-                level = JVM_LEVELS[found.group(1)]
-            elif not line[:1].isspace() and not line.startswith(("Caused by", "...")):
-                level = logging.INFO
-            logger.log(level, "%s", line)
+class _JvmLines(threading.Thread):
+    """Reads the JVM's lines and logs each at its log4j level (held back until ``release()``)."""
+
+    MAX_HELD = 10000
+
+    def __init__(self, read_fd: int, logger: logging.Logger) -> None:
+        super().__init__(name="hvd-jvm-log", daemon=True)
+        self._fd = read_fd
+        self._logger = logger
+        self._lock = threading.Lock()
+        self._held: list[tuple[int, str]] | None = []
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held or [], None
+            for level, line in held:
+                self._logger.log(level, "%s", line)
+
+    def run(self) -> None:
+        level = logging.INFO
+        with os.fdopen(self._fd, "r", encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                found = JVM_LINE.match(line)
+                if found:
+                    level = JVM_LEVELS[found.group(1)]
+                elif not line[:1].isspace() and not line.startswith(("Caused by", "...")):
+                    level = logging.INFO
+                with self._lock:
+                    if self._held is None:
+                        self._logger.log(level, "%s", line)
+                    elif len(self._held) < self.MAX_HELD:
+                        self._held.append((level, line))
 
 
 def _upload(local: Path, dest: ObjectStoragePath) -> None:

@@ -203,6 +203,9 @@ def test_a_process_started_for_the_session_logs_at_its_log4j_level_not_as_errors
         with jvm_output_to_log(logger):
             proc = subprocess.Popen([sys.executable, "-c", script])
             assert proc.wait(30) == 0  # it never blocks on a full pipe: the reader runs from the start
+            time.sleep(0.5)
+            # nothing is logged while stderr is the pipe: a handler writing to stderr would feed it
+            assert records == []
         deadline = time.monotonic() + 10
         while sum(r.getMessage() == filler for r in records) < 1000 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -394,19 +395,23 @@ def jvm_output_to_log(logger: logging.Logger) -> Iterator[None]:
     at the level log4j gave it: a task log shows Spark's warnings as warnings, not as errors.
 
     Lines without a level (banners, stack-trace lines) take the level of the line before them, INFO
-    at first. The process keeps its pipe for its whole life; a daemon thread forwards it. While this
-    process's own stdout and stderr point at the pipe (inside the ``with``), lines are held back and
-    logged on the way out: a log handler writing to stderr would otherwise feed the pipe itself.
+    at first. The process writes into an unlinked temporary file that a daemon thread follows: a
+    file never blocks the JVM and never breaks under it when this process dies (a pipe would make
+    the JVM linger on its way out). While this process's own stdout and stderr point at the file
+    (inside the ``with``), lines are held back and logged on the way out: a log handler writing to
+    stderr would otherwise feed the file itself.
     """
-    read_fd, write_fd = os.pipe()
+    fd, path = tempfile.mkstemp(prefix="hvd-jvm-", suffix=".log")
+    read_fd = os.open(path, os.O_RDONLY)
+    os.unlink(path)
     forwarder = _JvmLines(read_fd, logger)
-    forwarder.start()  # read from the start: a JVM that fills the pipe before getOrCreate() returns would block
+    forwarder.start()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     saved = (os.dup(1), os.dup(2))
-    os.dup2(write_fd, 1)
-    os.dup2(write_fd, 2)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
     try:
         yield
     finally:
@@ -415,15 +420,16 @@ def jvm_output_to_log(logger: logging.Logger) -> Iterator[None]:
                 stream.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
-        for fd in (*saved, write_fd):
-            os.close(fd)
+        for each in (*saved, fd):
+            os.close(each)
         forwarder.release()
 
 
 class _JvmLines(threading.Thread):
-    """Reads the JVM's lines and logs each at its log4j level (held back until ``release()``)."""
+    """Follows the JVM's output file and logs each line at its log4j level (held back until ``release()``)."""
 
     MAX_HELD = 10000
+    POLL_S = 0.2
 
     def __init__(self, read_fd: int, logger: logging.Logger) -> None:
         super().__init__(name="hvd-jvm-log", daemon=True)
@@ -431,6 +437,7 @@ class _JvmLines(threading.Thread):
         self._logger = logger
         self._lock = threading.Lock()
         self._held: list[tuple[int, str]] | None = []
+        self._level = logging.INFO
 
     def release(self) -> None:
         with self._lock:
@@ -439,22 +446,29 @@ class _JvmLines(threading.Thread):
                 self._logger.log(level, "%s", line)
 
     def run(self) -> None:
-        level = logging.INFO
-        with os.fdopen(self._fd, "r", encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                line = line.rstrip("\n")
-                if not line.strip():
-                    continue
-                found = JVM_LINE.match(line)
-                if found:
-                    level = JVM_LEVELS[found.group(1)]
-                elif not line[:1].isspace() and not line.startswith(("Caused by", "...")):
-                    level = logging.INFO
-                with self._lock:
-                    if self._held is None:
-                        self._logger.log(level, "%s", line)
-                    elif len(self._held) < self.MAX_HELD:
-                        self._held.append((level, line))
+        pending = b""
+        while True:  # for the life of this process: the JVM may write until it ends
+            chunk = os.read(self._fd, 1 << 16)
+            if not chunk:
+                time.sleep(self.POLL_S)
+                continue
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                self._line(raw.decode("utf-8", errors="replace"))
+
+    def _line(self, line: str) -> None:
+        if not line.strip():
+            return
+        found = JVM_LINE.match(line)
+        if found:
+            self._level = JVM_LEVELS[found.group(1)]
+        elif not line[:1].isspace() and not line.startswith(("Caused by", "...")):
+            self._level = logging.INFO
+        with self._lock:
+            if self._held is None:
+                self._logger.log(self._level, "%s", line)
+            elif len(self._held) < self.MAX_HELD:
+                self._held.append((self._level, line))
 
 
 def _upload(local: Path, dest: ObjectStoragePath) -> None:

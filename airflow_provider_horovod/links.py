@@ -20,9 +20,9 @@ class _XComLink(BaseOperatorLink):
         return XCom.get_value(key=self.xcom_key, ti_key=ti_key) or ""
 
     def persist(self, context: Any, url: str | None) -> None:
-        """Push ``url`` for this link (nothing when it is not known)."""
-        if url:
-            context["ti"].xcom_push(key=self.xcom_key, value=url)
+        """Push ``url`` for this link, ``None`` while it is not known: Airflow reads every link's key
+        when the task ends, and a key never pushed logs an ``XCom not found`` error there."""
+        context["ti"].xcom_push(key=self.xcom_key, value=url or None)
 
 
 class SparkUILink(_XComLink):

@@ -15,16 +15,25 @@
 The call's arguments (plain values or XComArgs) become ``op_args``/``op_kwargs``; every other
 ``HorovodRunnerOperator`` argument goes to the decorator. The function runs on the ranks, not in
 the Airflow task, so it receives no Airflow context.
+
+As with ``@task``, the task's ``return_value`` is what the function returned on rank 0 (unrolled
+into one XCom per key with ``multiple_outputs=True``); a value that is not JSON is stored as
+``result.pkl`` and the XCom holds ``{"artifact_uri", "type", "format"}``. The try's metadata has
+its own XCom keys: ``horovod_artifacts_uri``, ``horovod_checkpoint_uri``, ``horovod_timeline_uri``,
+``horovod_try_number``, ``horovod_duration_s``; downstream, ``train(...)["horovod_checkpoint_uri"]``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
 
 from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
 
 
 class _HorovodDecoratedOperator(DecoratedOperator, HorovodRunnerOperator):
@@ -51,6 +60,10 @@ class _HorovodDecoratedOperator(DecoratedOperator, HorovodRunnerOperator):
             op_kwargs=op_kwargs,
             **kwargs,
         )
+
+    def execute(self, context: Context) -> Any:
+        """Run the job; return the training function's value (the metadata has its own XCom keys)."""
+        return super().execute(context)["result"]
 
 
 def horovod_task(

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -179,6 +184,7 @@ class HorovodRunnerHook(BaseHook):
 
         target = self.resolve_target()
         builder = SparkSession.builder.appName(self.app_name)
+        active = None
         # Spark's console progress bar only garbles the task log; the connection's conf can turn it on
         for key, value in {"spark.ui.showConsoleProgress": "false", **target.conf}.items():
             builder = builder.config(key, value)
@@ -190,7 +196,9 @@ class HorovodRunnerHook(BaseHook):
             self._owns_session = active is None
             builder = builder.master(target.master)
         self.log.info("Starting a SparkSession on %s (connection %r)", target.where, target.conn_id)
-        self._session = builder.getOrCreate()
+        starts_jvm = not target.remote and active is None
+        with jvm_output_to_log(JVM_LOG) if starts_jvm else contextlib.nullcontext():
+            self._session = builder.getOrCreate()
         return self._session
 
     def stop_session(self) -> None:
@@ -385,6 +393,95 @@ class HorovodRunnerHook(BaseHook):
             shutil.rmtree(local, ignore_errors=True)
             raise
         return str(local)
+
+
+JVM_LOG = logging.getLogger("airflow_provider_horovod.spark")
+# log4j's default layout in Spark: "25/12/03 04:10:11 WARN NativeCodeLoader: Unable to load ..."
+JVM_LINE = re.compile(r"^\d\d/\d\d/\d\d \d\d:\d\d:\d\d (TRACE|DEBUG|INFO|WARN|ERROR|FATAL) ")
+JVM_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
+              "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
+
+
+@contextlib.contextmanager
+def jvm_output_to_log(logger: logging.Logger) -> Iterator[None]:
+    """Processes started inside (the Spark JVM) write their stdout and stderr to ``logger``, each line
+    at the level log4j gave it: a task log shows Spark's warnings as warnings, not as errors.
+
+    Lines without a level (banners, stack-trace lines) take the level of the line before them, INFO
+    at first. The process writes into an unlinked temporary file that a daemon thread follows: a
+    file never blocks the JVM and never breaks under it when this process dies (a pipe would make
+    the JVM linger on its way out). While this process's own stdout and stderr point at the file
+    (inside the ``with``), lines are held back and logged on the way out: a log handler writing to
+    stderr would otherwise feed the file itself.
+    """
+    fd, path = tempfile.mkstemp(prefix="hvd-jvm-", suffix=".log")
+    read_fd = os.open(path, os.O_RDONLY)
+    os.unlink(path)
+    forwarder = _JvmLines(read_fd, logger)
+    forwarder.start()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved = (os.dup(1), os.dup(2))
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for each in (*saved, fd):
+            os.close(each)
+        forwarder.release()
+
+
+class _JvmLines(threading.Thread):
+    """Follows the JVM's output file and logs each line at its log4j level (held back until ``release()``)."""
+
+    MAX_HELD = 10000
+    POLL_S = 0.2
+
+    def __init__(self, read_fd: int, logger: logging.Logger) -> None:
+        super().__init__(name="hvd-jvm-log", daemon=True)
+        self._fd = read_fd
+        self._logger = logger
+        self._lock = threading.Lock()
+        self._held: list[tuple[int, str]] | None = []
+        self._level = logging.INFO
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held or [], None
+            for level, line in held:
+                self._logger.log(level, "%s", line)
+
+    def run(self) -> None:
+        pending = b""
+        while True:  # for the life of this process: the JVM may write until it ends
+            chunk = os.read(self._fd, 1 << 16)
+            if not chunk:
+                time.sleep(self.POLL_S)
+                continue
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                self._line(raw.decode("utf-8", errors="replace"))
+
+    def _line(self, line: str) -> None:
+        if not line.strip():
+            return
+        found = JVM_LINE.match(line)
+        if found:
+            self._level = JVM_LEVELS[found.group(1)]
+        elif not line[:1].isspace() and not line.startswith(("Caused by", "...")):
+            self._level = logging.INFO
+        with self._lock:
+            if self._held is None:
+                self._logger.log(self._level, "%s", line)
+            elif len(self._held) < self.MAX_HELD:
+                self._held.append((self._level, line))
 
 
 def _upload(local: Path, dest: ObjectStoragePath) -> None:

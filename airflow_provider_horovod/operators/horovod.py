@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 RESUME_AUTO = "auto"
 RESUME_NEVER = "never"
+# Metadata of every try, each under its own XCom key too (for @task.horovod, whose return_value is
+# the training function's value, and for the UI): ``horovod_<name>``.
+METADATA = ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "duration_s")
+METADATA_XCOM_PREFIX = "horovod_"
 SMALL_RESULT_CHARS = 4096  # a result up to this size (as JSON) goes into the asset event extra
 RESULT_FILE = "result.pkl"
 
@@ -31,7 +35,10 @@ class HorovodRunnerOperator(BaseOperator):
     Rank logs stream into the task log, tagged by rank. Rank 0's return value, the stored
     artifacts (timeline, rank 0's checkpoints) and the Spark UI come back as the ``return_value``
     XCom, a JSON dict with ``result``, ``artifacts_uri``, ``checkpoint_uri``, ``timeline_uri``,
-    ``spark_ui_url``, ``np``, ``launcher``, ``try_number`` and ``duration_s``.
+    ``spark_ui_url``, ``np``, ``launcher``, ``try_number`` and ``duration_s``. ``artifacts_uri``,
+    ``checkpoint_uri``, ``timeline_uri``, ``try_number`` and ``duration_s`` are also pushed under
+    their own keys, ``horovod_<name>``, by every try that got as far as storing its artifacts
+    (failed and cancelled ones included).
 
     Artifacts go to ``<artifact_root>/<dag_id>/<run_id>/<task_id>/try-<n>/``. A retry, or a clear
     of the task in the UI, starts a new ``try-<n>`` folder and (with ``resume="auto"``) hands the
@@ -112,13 +119,15 @@ class HorovodRunnerOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         np = validate_np(self.np)
         self.hook.check_job(self.training_callable, self.op_args, self.op_kwargs)
+        self._push_links(context, spark_ui=None, timeline=None)  # each link's key exists from the start
         store = self._try_folder(context)
-        resume_from = self._resume_from(store, context["ti"].try_number)
+        source, resume_from = self._resume_from(store, context["ti"].try_number)
         self._push_spark_ui(context, np)
         with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local:
             result, last_run, error = self._train(np, local, resume_from)
             xcom, timeline_link = self._store(store, local, result, last_run, context["ti"].try_number, error)
-        HorovodTimelineLink().persist(context, timeline_link)
+        self._push_metadata(context, xcom, timeline_link)
+        self._log_summary(xcom, last_run, source, error)
         if error is not None:
             raise error
         self._emit_asset_events(context, xcom)
@@ -135,19 +144,24 @@ class HorovodRunnerOperator(BaseOperator):
         self.log.info("Artifacts of this try go to %s", folder)
         return folder
 
-    def _resume_from(self, store: ObjectStoragePath, try_number: int) -> str | None:
+    def _resume_from(self, store: ObjectStoragePath, try_number: int) -> tuple[ObjectStoragePath | None, str | None]:
+        """The checkpoint to resume from (``None``: from scratch) and its local copy."""
         if self.resume in (None, "", RESUME_NEVER):
-            return None
+            return None, None
         if self.resume == RESUME_AUTO:
             source = self.hook.latest_checkpoint(store, try_number) if try_number > 1 else None
             if source is None:
                 if try_number > 1:
                     self.log.info("No committed checkpoint in earlier tries: starting from scratch.")
-                return None
+                return None, None
         else:
             source = self.hook.checkpoint_at(str(self.resume))
         self.log.info("Resuming from checkpoint %s", source)
-        return self.hook.download(source)
+        return source, self.hook.download(source)
+
+    def _push_links(self, context: Context, *, spark_ui: str | None, timeline: str | None) -> None:
+        SparkUILink().persist(context, spark_ui)
+        HorovodTimelineLink().persist(context, timeline)
 
     def _push_spark_ui(self, context: Context, np: int) -> None:
         if np > 0:  # builds the SparkSession: its UI is known before the job starts
@@ -165,6 +179,10 @@ class HorovodRunnerOperator(BaseOperator):
             return result, last_run, None
         except (HorovodRunError, ArtifactError) as err:  # store what the failed try left, then re-raise
             return None, dict(self.hook.last_run), err
+        except BaseException as err:  # execution_timeout and the like: the engine cancelled the run cleanly
+            if dict(self.hook.last_run).get("status") != "cancelled":
+                raise  # it came before any rank started: nothing to store
+            return None, dict(self.hook.last_run), err
         finally:
             if resume_from:
                 shutil.rmtree(resume_from, ignore_errors=True)
@@ -181,14 +199,14 @@ class HorovodRunnerOperator(BaseOperator):
             else:  # stored beside the artifacts, never written into the engine's committed folder
                 extra_files[RESULT_FILE] = cloudpickle.dumps(result)
                 xcom_result = {"artifact_uri": str(store / RESULT_FILE), "type": _type_name(result), "format": "cloudpickle"}
-        status = "success" if error is None else ("cancelled" if type(error).__name__ == "RunCancelledError" else "failed")
+        status = "success" if error is None else ("cancelled" if last_run.get("status") == "cancelled" else "failed")
         marker = {"status": status, "try_number": try_number, "np": last_run.get("np"), "run_id": last_run.get("run_id")}
         committed = self.hook.store_artifacts(local, store, marker, extra_files=extra_files)
         files = set(committed["stored_files"])
         checkpoint_uri = str(store / CHECKPOINTS) if any(f.startswith(CHECKPOINTS + "/") for f in files) else None
         timeline_uri = str(store / TIMELINE) if TIMELINE in files else None
         picture = str(store / "timeline.svg") if "timeline.svg" in files else None
-        self.log.info("Stored %d artifact files in %s (%s)", len(files), store, committed.get("status"))
+        self.log.info("Stored %d artifact files in %s (%s)", len(files), store, status)
         xcom = {
             "result": xcom_result,
             "artifacts_uri": str(store),
@@ -201,6 +219,22 @@ class HorovodRunnerOperator(BaseOperator):
             "duration_s": last_run.get("duration_s"),
         }
         return xcom, picture or timeline_uri
+
+    def _push_metadata(self, context: Context, xcom: dict[str, Any], timeline_link: str | None) -> None:
+        ti = context["ti"]
+        for name in METADATA:
+            ti.xcom_push(key=METADATA_XCOM_PREFIX + name, value=xcom[name])
+        HorovodTimelineLink().persist(context, timeline_link)
+
+    def _log_summary(self, xcom: dict[str, Any], last_run: dict[str, Any], resumed_from: Any, error: BaseException | None) -> None:
+        duration = xcom["duration_s"]
+        self.log.info(
+            "Horovod summary: %s; %s ranks with %s in %s s; resumed from %s; artifacts in %s (checkpoint: %s, timeline: %s)",
+            "succeeded" if error is None else "cancelled" if last_run.get("status") == "cancelled" else "failed",
+            xcom["np"], xcom["launcher"],
+            "%.1f" % duration if isinstance(duration, (int, float)) else "?", resumed_from or "nothing (a fresh start)",
+            xcom["artifacts_uri"], xcom["checkpoint_uri"] or "none", xcom["timeline_uri"] or "none",
+        )
 
     def _emit_asset_events(self, context: Context, xcom: dict[str, Any]) -> None:
         extra = {k: xcom[k] for k in ("checkpoint_uri", "timeline_uri", "try_number", "artifacts_uri")}

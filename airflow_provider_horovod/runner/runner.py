@@ -142,6 +142,7 @@ class HorovodRunner:
         self.resume_from = Path(resume_from).resolve() if resume_from is not None else None
         self._spark = spark
         self._cancelled = threading.Event()
+        self._interrupt: BaseException | None = None  # an exception raised into run() while supervising
         self._events: queue.Queue | None = None
         self.last_run = RunReport(run_id="", np=np, launcher=launcher, status="not started")
 
@@ -153,6 +154,7 @@ class HorovodRunner:
         if self.timeline and artifact_dir is None:
             raise ValueError("timeline=True needs an artifact_dir to bring the timeline back to")
         self._cancelled.clear()
+        self._interrupt = None
         run_id = uuid.uuid4().hex[:12]
         started = time.monotonic()
         report = self.last_run = RunReport(run_id=run_id, np=self.np, launcher=self.launcher,
@@ -179,6 +181,8 @@ class HorovodRunner:
                     report.status = "success"
                 except RunCancelledError:
                     report.status = "cancelled"
+                    if self._interrupt is not None:  # e.g. Airflow's execution_timeout: the caller's own error
+                        raise self._interrupt from None
                     raise
                 except BaseException:
                     report.status = "failed"
@@ -303,7 +307,13 @@ class HorovodRunner:
         return sup
 
     def _supervise(self, sup: Supervisor, events: queue.Queue, act: Callable[[Action], None]) -> None:
-        """Feed the supervisor every event and the passing time; carry out what it decides."""
+        """Feed the supervisor every event and the passing time; carry out what it decides.
+
+        An exception raised into this thread meanwhile (Ctrl-C, or a signal handler's error such as
+        Airflow's ``execution_timeout``) cancels the run, which still ends the usual way: ranks
+        stopped, rank 0's artifacts handed over and committed. ``run()`` then re-raises it
+        (``RunCancelledError`` for Ctrl-C).
+        """
         while not sup.done:
             try:
                 try:
@@ -314,7 +324,9 @@ class HorovodRunner:
                 actions += sup.tick(time.monotonic())
                 for action in actions:
                     act(action)
-            except KeyboardInterrupt:
+            except BaseException as err:  # noqa: BLE001 - every interruption becomes a clean cancel
+                if not isinstance(err, KeyboardInterrupt) and self._interrupt is None:
+                    self._interrupt = err
                 self._cancelled.set()
                 events.put(CancelRequested())
 

@@ -205,3 +205,18 @@ def steps_job(steps: int = 100000, pause: float = 0.2):
         time.sleep(pause)
     return {"steps": steps, "size": hvd.size(), "local_size": hvd.local_size()}
 
+
+def checkpoint_then_sleep_job(step: int = 5, marker: str = ""):
+    """Rank 0 commits ``step.txt`` (write, then rename), touches ``marker``; every rank then sleeps."""
+    import horovod.torch as hvd
+
+    from airflow_provider_horovod import runtime
+
+    hvd.init()
+    if hvd.rank() == 0:
+        tmp = runtime.checkpoint_dir() / ".step.txt.tmp"
+        tmp.write_text(str(step))
+        os.replace(tmp, runtime.checkpoint_dir() / "step.txt")
+        if marker:
+            open(marker, "w").close()
+    time.sleep(600)

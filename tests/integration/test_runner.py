@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
 import threading
 import time
 
@@ -343,3 +346,36 @@ def test_sigterm_to_the_driver_cancels_the_job_and_leaves_no_process(tmp_path, l
     assert proc.returncode == 3, output[-3000:]
     assert "CANCELLED" in output
     assert wait_no_run_processes(max(1.0, 10.0 - (time.monotonic() - sent))) == []
+
+
+class _Alarm(Exception):
+    """What a SIGALRM handler raises, as Airflow's execution_timeout raises AirflowTaskTimeout."""
+
+
+def test_an_error_raised_into_run_by_a_signal_handler_cancels_the_run_and_keeps_rank_0s_checkpoint(tmp_path):
+    marker = tmp_path / "checkpointed"
+    runner = HorovodRunner(-2, artifact_dir=tmp_path / "artifacts")
+
+    def on_alarm(signum, frame):
+        raise _Alarm("execution_timeout")
+
+    def alarm_once_checkpointed() -> None:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGALRM)  # handled in the main thread, inside run()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    alarm = threading.Thread(target=alarm_once_checkpointed, daemon=True)
+    alarm.start()
+    try:
+        with pytest.raises(_Alarm):  # the caller's own error comes back, after a clean cancel
+            runner.run(jobs.checkpoint_then_sleep_job, step=5, marker=str(marker))
+    finally:
+        alarm.join(70)
+        signal.signal(signal.SIGALRM, previous)
+    assert marker.exists(), "rank 0 never checkpointed"
+    assert runner.last_run.status == "cancelled"
+    committed = json.loads((tmp_path / "artifacts" / "_ARTIFACTS.json").read_text())
+    assert committed["status"] == "cancelled" and committed["complete"] is True
+    assert (tmp_path / "artifacts" / "checkpoints" / "step.txt").read_text() == "5"

@@ -33,6 +33,12 @@ def hvd_test_tasks():
 
     decorated(10)
 
+    @task.horovod(np=-1, multiple_outputs=True)  # one local process: no Spark job
+    def unrolled():
+        return {"loss": 0.5, "epochs": [1, 2]}
+
+    unrolled()
+
 
 @dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False)
 def hvd_test_retry():

@@ -171,3 +171,50 @@ def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_chec
     with pytest.raises(ArtifactError, match="never committed"):
         hook.checkpoint_at(str(try2 / "checkpoints"))
     assert str(hook.checkpoint_at(str(try1))) == str(try1 / "checkpoints")
+
+
+def test_a_process_started_for_the_session_logs_at_its_log4j_level_not_as_errors():
+    """The Spark JVM writes log4j lines to stderr; the task log must show a WARN as a warning."""
+    import logging
+    import subprocess
+    import sys
+    import time
+
+    from airflow_provider_horovod.hooks.horovod import jvm_output_to_log
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("test.jvm")
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG)
+    filler = "y" * 99
+    script = (
+        "import sys\n"
+        "print(\"Using Spark's default log4j profile: org/apache/spark/log4j2-defaults.properties\", file=sys.stderr)\n"
+        "print('26/12/03 04:18:07 WARN NativeCodeLoader: Unable to load native-hadoop library', file=sys.stderr)\n"
+        "print('26/12/03 04:18:08 ERROR SparkContext: Error initializing SparkContext.', file=sys.stderr)\n"
+        "print('\\tat org.apache.spark.SparkContext.<init>(SparkContext.scala:1)', file=sys.stderr)\n"
+        "print('26/12/03 04:18:09 INFO Executor: Starting executor')\n"
+        "sys.stdout.write(%r * 1000)\n" % (filler + "\n")  # 100 KB, more than a pipe holds
+    )
+    try:
+        with jvm_output_to_log(logger):
+            proc = subprocess.Popen([sys.executable, "-c", script])
+            assert proc.wait(30) == 0  # it never blocks on a full pipe: the reader runs from the start
+            time.sleep(0.5)
+            # nothing is logged while stderr is the pipe: a handler writing to stderr would feed it
+            assert records == []
+        deadline = time.monotonic() + 10
+        while sum(r.getMessage() == filler for r in records) < 1000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        logger.removeHandler(handler)
+    levels = {r.getMessage(): r.levelname for r in records}
+    assert levels["Using Spark's default log4j profile: org/apache/spark/log4j2-defaults.properties"] == "INFO"
+    assert levels["26/12/03 04:18:07 WARN NativeCodeLoader: Unable to load native-hadoop library"] == "WARNING"
+    assert levels["26/12/03 04:18:08 ERROR SparkContext: Error initializing SparkContext."] == "ERROR"
+    assert levels["\tat org.apache.spark.SparkContext.<init>(SparkContext.scala:1)"] == "ERROR"  # its stack trace
+    assert levels["26/12/03 04:18:09 INFO Executor: Starting executor"] == "INFO"
+    assert sum(r.getMessage() == filler for r in records) == 1000

@@ -1,0 +1,116 @@
+"""DAGs of the deployment tests: every way a user stops, reruns or times out a Horovod task.
+
+Each training function writes a small checkpoint on rank 0 first, then does what its scenario
+needs (wait to be stopped, fail, or return what it resumed from). The tests drive them through
+the REST API and read what they left: XComs, logs, artifacts, processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pendulum
+
+from airflow.sdk import dag, task
+
+START = pendulum.datetime(2025, 1, 1, tz="UTC")
+STEP_FILE = "step.txt"
+TIMEOUT_S = 180  # the timed-out task's execution_timeout: Spark start + the first barrier job took up to 110 s at load 15-20 on 2 cores
+
+
+def checkpoint_then_wait(step: int) -> None:
+    """Rank 0 commits ``step`` as its checkpoint; then every rank trains "forever" until stopped."""
+    import os
+    import time
+
+    import horovod.torch as hvd
+
+    from airflow_provider_horovod import runtime
+
+    hvd.init()
+    if hvd.rank() == 0:
+        tmp = runtime.checkpoint_dir() / (".%s.tmp" % STEP_FILE)
+        tmp.write_text(str(step))
+        os.replace(tmp, runtime.checkpoint_dir() / STEP_FILE)
+        runtime.log_to_driver("checkpoint %d written" % step)
+    for beat in range(100000):
+        if beat % 10 == 0:
+            print("training, beat %d" % beat, flush=True)
+        time.sleep(0.5)
+
+
+def resumed_step() -> int | None:
+    from airflow_provider_horovod import runtime
+
+    resume = runtime.resume_dir()
+    return int((resume / STEP_FILE).read_text()) if resume is not None else None
+
+
+@dag(schedule=None, start_date=START, catchup=False, tags=["hvd-deployment-test"])
+def hvd_deploy_stop():
+    """Two tasks at once: one the test marks failed, one that runs into its execution_timeout."""
+
+    @task.horovod(np=2)
+    def until_marked_failed():
+        checkpoint_then_wait(3)
+
+    @task.horovod(np=2, execution_timeout=datetime.timedelta(seconds=TIMEOUT_S), retries=1,
+                  retry_delay=datetime.timedelta(seconds=0))
+    def until_timeout():
+        step = resumed_step()
+        if step is None:  # try 1: checkpoint, then run into the timeout
+            checkpoint_then_wait(7)
+        return {"resumed_step": step}
+
+    until_marked_failed()
+    until_timeout()
+
+
+@dag(schedule=None, start_date=START, catchup=False, tags=["hvd-deployment-test"])
+def hvd_deploy_crash():
+    """Try 1 raises after its checkpoint; try 2 resumes and waits for the test to SIGKILL its task
+    process; try 3 resumes from the newest committed checkpoint, try 1's."""
+
+    @task.horovod(np=2, retries=2, retry_delay=datetime.timedelta(seconds=0))
+    def crash(try_number: str):
+        import horovod.torch as hvd
+        import torch
+
+        from airflow_provider_horovod import runtime
+
+        try_number = int(try_number)  # rendered from a template: a string
+        if try_number == 1:
+            hvd.init()
+            if hvd.rank() == 0:
+                (runtime.checkpoint_dir() / STEP_FILE).write_text("1")
+            hvd.allreduce_(torch.zeros(1), name="checkpointed")
+            raise RuntimeError("planned failure after checkpoint 1")
+        step = resumed_step()
+        if try_number == 2:
+            checkpoint_then_wait(step + 1)  # killed with its task process: this checkpoint is never stored
+        return {"resumed_step": step}
+
+    crash(try_number="{{ ti.try_number }}")
+
+
+@dag(schedule=None, start_date=START, catchup=False, max_active_runs=2, tags=["hvd-deployment-test"])
+def hvd_deploy_many():
+    """Mapped over learning rates; the test triggers two runs at once."""
+
+    @task.horovod(np=2, launcher="gloo")
+    def fit(lr: float, tag: str):
+        import horovod.torch as hvd
+
+        from airflow_provider_horovod import runtime
+
+        hvd.init()
+        if hvd.rank() == 0:
+            (runtime.checkpoint_dir() / "owner.txt").write_text("%s lr=%s" % (tag, lr))
+        return {"tag": tag, "lr": lr, "ranks": hvd.size()}
+
+    fit.partial(tag="{{ run_id }}").expand(lr=[0.1, 0.2])
+
+
+hvd_deploy_stop()
+hvd_deploy_crash()
+hvd_deploy_many()

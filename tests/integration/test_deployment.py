@@ -1,0 +1,243 @@
+"""The provider on a real Airflow deployment, driven only through the REST API, as the UI does.
+
+One deployment per test session (``airflow_deployment``: PostgreSQL, API server, scheduler, DAG
+processor, triggerer, LocalExecutor); each task runs an embedded ``local[2]`` Spark with real
+Horovod ranks and mpirun or Gloo. Each test asserts what a user would look at: task states and
+tries, XComs, the task log, the stored artifacts, and that no rank, ``orted`` or ``mpirun`` is left.
+
+The tests run in file order: the clear test reruns the example run of the first test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import run_processes
+from tests.integration.deployment import Api, Deployment
+
+pytestmark = pytest.mark.slow
+
+METADATA = ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "duration_s")
+GONE_WITHIN_S = 10  # no rank, orted or mpirun of a stopped task is left after this long
+
+
+def local(uri: str) -> Path:
+    assert uri.startswith("file://"), uri
+    return Path(uri[len("file://"):])
+
+
+def marker(folder: Path) -> dict:
+    return json.loads((folder / "_ARTIFACTS.json").read_text())
+
+
+def metadata(api: Api, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> dict:
+    return {name: api.xcom(dag_id, run_id, task_id, "horovod_" + name, map_index) for name in METADATA}
+
+
+def task_processes(dag_id: str, task_id: str | None = None, try_number: int | None = None) -> list[psutil.Process]:
+    """This session's rank processes, orted and mpirun started for one task (by their Airflow context)."""
+    found = []
+    for proc in run_processes():
+        try:
+            env = proc.environ()
+        except psutil.Error:
+            continue
+        if env.get("AIRFLOW_CTX_DAG_ID") != dag_id:
+            continue
+        if task_id is not None and env.get("AIRFLOW_CTX_TASK_ID") != task_id:
+            continue
+        if try_number is not None and env.get("AIRFLOW_CTX_TRY_NUMBER") != str(try_number):
+            continue
+        found.append(proc)
+    return found
+
+
+def wait_gone(dag_id: str, task_id: str | None = None, try_number: int | None = None, timeout: float = GONE_WITHIN_S) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := task_processes(dag_id, task_id, try_number)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out = []
+    for proc in left:
+        try:
+            out.append("%d %s" % (proc.pid, " ".join(proc.cmdline())[:200]))
+        except psutil.Error:
+            pass
+    return out
+
+
+def wait_log(api: Api, dag_id: str, run_id: str, task_id: str, try_number: int, text: str, timeout: float = 240) -> None:
+    """Wait until the running try's log (read through the API, as the UI does) shows ``text``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ti = api.task_instance(dag_id, run_id, task_id)
+        log = api.log(dag_id, run_id, task_id, try_number) if ti["try_number"] >= try_number else ""
+        if text in log:
+            return
+        assert ti["state"] in ("scheduled", "queued", "running", "up_for_retry", "restarting", None), \
+            "%s.%s ended %s before logging %r:\n%s" % (dag_id, task_id, ti["state"], text, log[-4000:])
+        assert time.monotonic() < deadline, "no %r in %s.%s try %d:\n%s" % (text, dag_id, task_id, try_number, log[-4000:])
+        time.sleep(1)
+
+
+def assert_clean_log(events: list[dict], what: str) -> None:
+    """No error in a log that ended well, Spark's output at its own level, a summary at the end."""
+    errors = [e for e in events if e.get("level") in ("error", "critical")]
+    assert errors == [], "%s: error lines in the task log: %s" % (what, errors[:5])
+    text = "\n".join(str(e.get("event")) for e in events)
+    assert "XCom not found" not in text
+    spark = [e for e in events if e.get("logger") == "airflow_provider_horovod.spark"]
+    assert spark, "%s: no Spark/JVM line came through the provider's logger" % what
+    assert all(e["level"] == ("warning" if " WARN " in e["event"] else e["level"]) for e in spark)
+    assert "[rank 0] epoch 8: loss" in text  # rank lines, tagged
+    assert "Horovod summary: succeeded; 2 ranks with mpirun" in text
+
+
+def test_scheduled_example_trains_by_itself_and_the_asset_event_triggers_the_retrain(airflow_deployment: Deployment):
+    api = airflow_deployment.api
+    api.wait_dags(["horovod_digits_train", "horovod_digits_retrain", "hvd_deploy_stop", "hvd_deploy_crash",
+                   "hvd_deploy_many"])
+    run_id = api.wait_first_run("horovod_digits_train")  # nobody triggered it: the @daily schedule did
+    assert api.run("horovod_digits_train", run_id)["run_type"] == "scheduled"
+    assert api.wait_run("horovod_digits_train", run_id, timeout=420) == "success"
+
+    summary = api.xcom("horovod_digits_train", run_id, "train")  # @task.horovod: the function's value
+    assert set(summary) == {"epochs", "loss", "ranks"} and (summary["epochs"], summary["ranks"]) == (8, 2)
+    trained = metadata(api, "horovod_digits_train", run_id, "train")
+    assert trained["try_number"] == 1 and trained["duration_s"] > 0
+    store = local(trained["artifacts_uri"])
+    assert store == airflow_deployment.artifact_folder("horovod_digits_train", run_id, "train", 1)
+    assert marker(store)["status"] == "success"
+    assert (local(trained["checkpoint_uri"]) / "model.pt").stat().st_size > 0
+    assert api.xcom("horovod_digits_train", run_id, "evaluate")["accuracy"] >= 0.90
+    assert_clean_log(api.log_events("horovod_digits_train", run_id, "train", 1), "train")
+
+    retrain_run = api.wait_first_run("horovod_digits_retrain")
+    assert api.run("horovod_digits_retrain", retrain_run)["run_type"] == "asset_triggered"
+    assert api.wait_run("horovod_digits_retrain", retrain_run, timeout=420) == "success"
+    (event,) = api.asset_events("horovod_digits_model")
+    assert event["extra"]["checkpoint_uri"] == trained["checkpoint_uri"]
+    assert event["extra"]["result"] == summary
+    assert api.xcom("horovod_digits_retrain", retrain_run, "latest_checkpoint") == trained["checkpoint_uri"]
+    tuned = api.xcom("horovod_digits_retrain", retrain_run, "fine_tune")  # the operator: the documented dict
+    assert (tuned["result"]["fine_tuned_from_epoch"], tuned["result"]["epochs"]) == (8, 10)
+    assert "Resuming from checkpoint %s" % trained["checkpoint_uri"] in api.log("horovod_digits_retrain", retrain_run, "fine_tune", 1)
+    api.pause("horovod_digits_retrain")  # the clear below publishes again; this test has seen the retrain
+
+
+def test_clear_in_the_ui_reruns_the_task_from_its_newest_checkpoint(airflow_deployment: Deployment):
+    api = airflow_deployment.api
+    run_id = api.runs("horovod_digits_train")[0]["dag_run_id"]
+    first = metadata(api, "horovod_digits_train", run_id, "train")
+    api.clear("horovod_digits_train", run_id, ["train"])
+    api.wait_task("horovod_digits_train", run_id, "train", ["success", "failed"], timeout=420, try_number=2)
+    assert api.task_instance("horovod_digits_train", run_id, "train")["state"] == "success"
+
+    assert api.xcom("horovod_digits_train", run_id, "train")["epochs"] == 16  # 8 resumed + 8 more
+    second = metadata(api, "horovod_digits_train", run_id, "train")
+    assert second["try_number"] == 2
+    assert local(second["artifacts_uri"]).name == "try-2" and local(first["artifacts_uri"]).name == "try-1"
+    assert marker(local(first["artifacts_uri"]))["status"] == "success"  # the earlier try is never touched
+    log = api.log("horovod_digits_train", run_id, "train", 2)
+    assert "Resuming from checkpoint %s" % first["checkpoint_uri"] in log
+    assert "rank 0 resumes after epoch 8" in log
+    assert "resumed from %s" % first["checkpoint_uri"] in log  # the summary says it too
+
+
+def test_mark_failed_and_execution_timeout_store_rank_0s_checkpoint_as_cancelled(airflow_deployment: Deployment):
+    api = airflow_deployment.api
+    dag_id = "hvd_deploy_stop"
+    run_id = api.trigger(dag_id)
+    wait_log(api, dag_id, run_id, "until_marked_failed", 1, "checkpoint 3 written")
+    assert task_processes(dag_id, "until_marked_failed"), "the ranks of until_marked_failed are not running"
+    marked = time.monotonic()
+    api.mark(dag_id, run_id, "until_marked_failed", "failed")
+    assert wait_gone(dag_id, "until_marked_failed") == []
+    took = time.monotonic() - marked
+    assert took <= GONE_WITHIN_S
+
+    stopped = airflow_deployment.artifact_folder(dag_id, run_id, "until_marked_failed", 1)
+    deadline = time.monotonic() + 30
+    while not (stopped / "_ARTIFACTS.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert marker(stopped)["status"] == "cancelled"
+    assert (stopped / "checkpoints" / "step.txt").read_text() == "3"
+    assert api.task_instance(dag_id, run_id, "until_marked_failed")["state"] == "failed"
+    assert "Cancelling the Horovod job" in api.log(dag_id, run_id, "until_marked_failed", 1)
+
+    # execution_timeout: try 1 is cancelled (its checkpoint stored), try 2 resumes from it
+    api.wait_task(dag_id, run_id, "until_timeout", ["success", "failed"], timeout=420, try_number=2)
+    assert api.task_instance(dag_id, run_id, "until_timeout")["state"] == "success"
+    assert api.xcom(dag_id, run_id, "until_timeout") == {"resumed_step": 7}
+    timed_out = airflow_deployment.artifact_folder(dag_id, run_id, "until_timeout", 1)
+    assert marker(timed_out)["status"] == "cancelled"
+    assert (timed_out / "checkpoints" / "step.txt").read_text() == "7"
+    log = api.log(dag_id, run_id, "until_timeout", 1)
+    assert "Timeout" in log and "Horovod summary: cancelled" in log
+    assert "Resuming from checkpoint file://%s" % (timed_out / "checkpoints") in api.log(dag_id, run_id, "until_timeout", 2)
+    assert wait_gone(dag_id) == []
+
+
+def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newest_committed_checkpoint(
+    airflow_deployment: Deployment,
+):
+    api = airflow_deployment.api
+    dag_id = "hvd_deploy_crash"
+    run_id = api.trigger(dag_id)
+
+    # try 1: the function raises after rank 0's checkpoint: failed, traceback in the log, checkpoint stored
+    wait_log(api, dag_id, run_id, "crash", 2, "checkpoint 2 written", timeout=420)
+    failed = airflow_deployment.artifact_folder(dag_id, run_id, "crash", 1)
+    assert marker(failed)["status"] == "failed"
+    assert (failed / "checkpoints" / "step.txt").read_text() == "1"
+    first_log = api.log(dag_id, run_id, "crash", 1)
+    assert "RuntimeError: planned failure after checkpoint 1" in first_log and "Traceback" in first_log
+
+    # try 2 resumed from try 1 and is training: SIGKILL its task process, as a worker crash would
+    task_process = next(p.parent() for p in psutil.process_iter(["name"]) if p.info["name"] == "java"
+                        and _ctx(p) == (dag_id, "crash", "2"))
+    killed = time.monotonic()
+    os.kill(task_process.pid, signal.SIGKILL)
+    assert wait_gone(dag_id, "crash", 2) == []  # the JVM sees its stdin close; the ranks' watchdogs see the task go
+    assert time.monotonic() - killed <= GONE_WITHIN_S
+
+    # try 3 resumes from the newest *committed* checkpoint: try 1's (try 2 died before storing anything)
+    api.wait_task(dag_id, run_id, "crash", ["success", "failed"], timeout=420, try_number=3)
+    assert api.task_instance(dag_id, run_id, "crash")["state"] == "success"
+    assert api.xcom(dag_id, run_id, "crash") == {"resumed_step": 1}
+    assert not (airflow_deployment.artifact_folder(dag_id, run_id, "crash", 2) / "_ARTIFACTS.json").exists()
+    assert "Resuming from checkpoint file://%s" % (failed / "checkpoints") in api.log(dag_id, run_id, "crash", 3)
+    assert wait_gone(dag_id) == []
+
+
+def _ctx(proc: psutil.Process) -> tuple[str | None, str | None, str | None]:
+    try:
+        env = proc.environ()
+    except psutil.Error:
+        return (None, None, None)
+    return env.get("AIRFLOW_CTX_DAG_ID"), env.get("AIRFLOW_CTX_TASK_ID"), env.get("AIRFLOW_CTX_TRY_NUMBER")
+
+
+def test_two_runs_at_once_and_a_mapped_task_keep_their_artifacts_apart(airflow_deployment: Deployment):
+    api = airflow_deployment.api
+    dag_id = "hvd_deploy_many"
+    runs = [api.trigger(dag_id), api.trigger(dag_id)]
+    for run_id in runs:
+        assert api.wait_run(dag_id, run_id, timeout=600) == "success"
+    folders = set()
+    for run_id in runs:
+        for index, lr in enumerate([0.1, 0.2]):
+            assert api.xcom(dag_id, run_id, "fit", map_index=index) == {"tag": run_id, "lr": lr, "ranks": 2}
+            meta = metadata(api, dag_id, run_id, "fit", index)
+            folder = local(meta["artifacts_uri"])
+            assert folder == airflow_deployment.artifact_folder(dag_id, run_id, "fit", 1, map_index=index)
+            assert (local(meta["checkpoint_uri"]) / "owner.txt").read_text() == "%s lr=%s" % (run_id, lr)
+            folders.add(folder)
+    assert len(folders) == 4
+    assert wait_gone(dag_id) == []

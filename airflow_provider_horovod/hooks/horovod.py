@@ -11,11 +11,9 @@ import logging
 import os
 import re
 import shutil
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -186,7 +184,8 @@ class HorovodRunnerHook(BaseHook):
         builder = SparkSession.builder.appName(self.app_name)
         active = None
         # Spark's console progress bar only garbles the task log; the connection's conf can turn it on
-        for key, value in {"spark.ui.showConsoleProgress": "false", **target.conf}.items():
+        conf = {"spark.ui.showConsoleProgress": "false", **target.conf}
+        for key, value in conf.items():
             builder = builder.config(key, value)
         if target.remote:
             builder = builder.remote(target.remote)
@@ -196,9 +195,9 @@ class HorovodRunnerHook(BaseHook):
             self._owns_session = active is None
             builder = builder.master(target.master)
         self.log.info("Starting a SparkSession on %s (connection %r)", target.where, target.conn_id)
-        starts_jvm = not target.remote and active is None
-        with jvm_output_to_log(JVM_LOG) if starts_jvm else contextlib.nullcontext():
-            self._session = builder.getOrCreate()
+        if not target.remote and active is None:
+            start_jvm({**conf, "spark.master": target.master, "spark.app.name": self.app_name}, JVM_LOG)
+        self._session = builder.getOrCreate()
         return self._session
 
     def stop_session(self) -> None:
@@ -402,61 +401,51 @@ JVM_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.IN
               "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
 
 
-@contextlib.contextmanager
-def jvm_output_to_log(logger: logging.Logger) -> Iterator[None]:
-    """Processes started inside (the Spark JVM) write their stdout and stderr to ``logger``, each line
-    at the level log4j gave it: a task log shows Spark's warnings as warnings, not as errors.
+def start_jvm(conf: dict[str, str], logger: logging.Logger) -> bool:
+    """Start this process's Spark JVM (PySpark's gateway) in a session of its own, its stdout and
+    stderr going to ``logger`` line by line, each at the level log4j gave it. False when this
+    process has its JVM already (PySpark starts one per process and keeps it).
 
-    Lines without a level (banners, stack-trace lines) take the level of the line before them, INFO
-    at first. The process writes into an unlinked temporary file that a daemon thread follows: a
-    file never blocks the JVM and never breaks under it when this process dies (a pipe would make
-    the JVM linger on its way out). While this process's own stdout and stderr point at the file
-    (inside the ``with``), lines are held back and logged on the way out: a log handler writing to
-    stderr would otherwise feed the file itself.
+    A session of its own: Airflow stops a task ("mark failed", SIGTERM) by signalling the task's
+    whole process group. A JVM in that group would shut its executors down at once and race the
+    provider's graceful cancel, which hands rank 0's checkpoint over first. Out of the group, the
+    JVM still ends with this process: PySpark's gateway exits when its stdin pipe closes.
+
+    The JVM writes into an unlinked temporary file that a daemon thread follows: a file never
+    blocks the JVM and never breaks under it when this process dies, as a pipe would.
     """
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    if SparkContext._gateway is not None:
+        return False
     fd, path = tempfile.mkstemp(prefix="hvd-jvm-", suffix=".log")
-    read_fd = os.open(path, os.O_RDONLY)
-    os.unlink(path)
-    forwarder = _JvmLines(read_fd, logger)
-    forwarder.start()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    saved = (os.dup(1), os.dup(2))
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
     try:
-        yield
+        read_fd = os.open(path, os.O_RDONLY)
+        os.unlink(path)
+        _JvmLines(read_fd, logger).start()
+        conf_for_submit = SparkConf(loadDefaults=False).setAll(sorted(conf.items()))
+        gateway = launch_gateway(conf_for_submit, popen_kwargs={"stdout": fd, "stderr": fd, "start_new_session": True})
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for each in (*saved, fd):
-            os.close(each)
-        forwarder.release()
+        os.close(fd)
+    SparkContext._ensure_initialized(gateway=gateway)
+    return True
 
 
 class _JvmLines(threading.Thread):
-    """Follows the JVM's output file and logs each line at its log4j level (held back until ``release()``)."""
+    """Follows the JVM's output file and logs each line at its log4j level.
 
-    MAX_HELD = 10000
+    Lines without a level (banners, stack-trace lines) take the level of the line before them, INFO
+    at first.
+    """
+
     POLL_S = 0.2
 
     def __init__(self, read_fd: int, logger: logging.Logger) -> None:
         super().__init__(name="hvd-jvm-log", daemon=True)
         self._fd = read_fd
         self._logger = logger
-        self._lock = threading.Lock()
-        self._held: list[tuple[int, str]] | None = []
         self._level = logging.INFO
-
-    def release(self) -> None:
-        with self._lock:
-            held, self._held = self._held or [], None
-            for level, line in held:
-                self._logger.log(level, "%s", line)
 
     def run(self) -> None:
         pending = b""
@@ -477,11 +466,7 @@ class _JvmLines(threading.Thread):
             self._level = JVM_LEVELS[found.group(1)]
         elif not line[:1].isspace() and not line.startswith(("Caused by", "...")):
             self._level = logging.INFO
-        with self._lock:
-            if self._held is None:
-                self._logger.log(self._level, "%s", line)
-            elif len(self._held) < self.MAX_HELD:
-                self._held.append((self._level, line))
+        self._logger.log(self._level, "%s", line)
 
 
 def _upload(local: Path, dest: ObjectStoragePath) -> None:

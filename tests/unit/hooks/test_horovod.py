@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -173,14 +174,14 @@ def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_chec
     assert str(hook.checkpoint_at(str(try1))) == str(try1 / "checkpoints")
 
 
-def test_a_process_started_for_the_session_logs_at_its_log4j_level_not_as_errors():
+def test_the_jvms_output_is_logged_at_its_log4j_level_not_as_errors(tmp_path):
     """The Spark JVM writes log4j lines to stderr; the task log must show a WARN as a warning."""
     import logging
     import subprocess
     import sys
     import time
 
-    from airflow_provider_horovod.hooks.horovod import jvm_output_to_log
+    from airflow_provider_horovod.hooks.horovod import _JvmLines
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
@@ -199,13 +200,13 @@ def test_a_process_started_for_the_session_logs_at_its_log4j_level_not_as_errors
         "print('26/12/03 04:18:09 INFO Executor: Starting executor')\n"
         "sys.stdout.write(%r * 1000)\n" % (filler + "\n")  # 100 KB, more than a pipe holds
     )
+    out = tmp_path / "jvm.log"
+    with out.open("wb") as sink:
+        lines = _JvmLines(os.open(out, os.O_RDONLY), logger)
+        lines.start()  # following from the start, as start_jvm does
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=sink, stderr=sink)
+        assert proc.wait(30) == 0
     try:
-        with jvm_output_to_log(logger):
-            proc = subprocess.Popen([sys.executable, "-c", script])
-            assert proc.wait(30) == 0  # it never blocks on a full pipe: the reader runs from the start
-            time.sleep(0.5)
-            # nothing is logged while stderr is the pipe: a handler writing to stderr would feed it
-            assert records == []
         deadline = time.monotonic() + 10
         while sum(r.getMessage() == filler for r in records) < 1000 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -1,7 +1,9 @@
 """HorovodPlugin: the Horovod view in Airflow's UI, behind Airflow's own login and DAG permissions.
 
-Installing the package is enough: Airflow finds the plugin through the ``airflow.plugins`` entry
-point (and, with ``[core] lazy_discover_providers = False``, through the provider info as well).
+Installing the package is enough. The provider info names the plugin, but Airflow reads the plugins
+of providers only with ``[core] lazy_discover_providers = False`` (default ``True``); otherwise it
+comes through the ``airflow.plugins`` entry point (:data:`entry_point`), which stands down in the
+first case so the plugin is registered once (twice would be reported as a plugin import error).
 
 * ``fastapi_apps``: :mod:`airflow_provider_horovod.plugins.view`, mounted at ``/horovod``;
 * ``external_views``: a "Horovod" tab on every task-instance page (destination ``task_instance``)
@@ -43,3 +45,12 @@ class HorovodPlugin(AirflowPlugin):
         from airflow_provider_horovod.plugins.view import create_app
 
         return [{"app": create_app(), "url_prefix": URL_PREFIX, "name": "Horovod view"}]
+
+
+def _entry_point() -> type[HorovodPlugin] | None:
+    from airflow.configuration import conf
+
+    return HorovodPlugin if conf.getboolean("core", "lazy_discover_providers", fallback=True) else None
+
+
+entry_point = _entry_point()

@@ -159,7 +159,11 @@ class TaskArtifacts:
                 match = TRY_FOLDER.match(child.name)
                 if match and child.is_dir():
                     found.append(int(match.group(1)))
-        return [self.get(n) for n in sorted(found)]
+        tries = []
+        for number in sorted(found):
+            with contextlib.suppress(NotFound):  # e.g. a try folder that is a symlink: not shown
+                tries.append(self.get(number))
+        return tries
 
     def get(self, number: int) -> Try:
         if self.folder is None or number < 1:

@@ -223,7 +223,7 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
  class="{{ t.status }}{% if t.number == selected.number %} selected{% endif %}">try {{ t.number }} · {{ t.status }}</a>{% endfor %}</nav>
 <table id="summary">
  <tr><th>status</th><td class="{{ facts.status }}" id="status">{{ facts.status }}</td></tr>
- <tr><th>ranks (np)</th><td id="np">{{ facts.np if facts.np is not none else "?" }}</td></tr>
+ <tr><th>ranks (np)</th><td id="np">{% if facts.np is none %}?{% elif facts.np < 0 %}{{ facts.np }} <span class="muted">({{ -facts.np }} processes inside the task, no Spark job)</span>{% else %}{{ facts.np }} <span class="muted">(one per Spark barrier task)</span>{% endif %}</td></tr>
  <tr><th>launcher</th><td id="launcher">{{ facts.launcher or "?" }}</td></tr>
  <tr><th>duration</th><td id="duration">{% if facts.duration_s is not none %}{{ "%.1f"|format(facts.duration_s) }} s{% else %}?{% endif %}</td></tr>
  <tr><th>resumed from</th><td id="resumed-from">{% if facts.resumed_from %}<code>{{ facts.resumed_from }}</code>{% else %}<span class="muted">nothing (started fresh)</span>{% endif %}</td></tr>

@@ -191,7 +191,7 @@ def render_svg(timeline: Timeline, *, max_lanes: int = 14, max_operations: int =
     Spans narrower than a pixel are merged per lane and colour, so the picture stays small for
     timelines of any length.
     """
-    label_w, plot_w, gap, totals_w = 190, 620, 30, 400
+    label_w, plot_w, gap, totals_w = 170, 520, 24, 390
     lane_h, top, axis_h = 22, 58, 34
     width = label_w + plot_w + gap + totals_w + 10
     order = timeline.busiest_lanes()
@@ -222,8 +222,7 @@ def render_svg(timeline: Timeline, *, max_lanes: int = 14, max_operations: int =
         if row % 2:
             out.append('<rect x="%d" y="%d" width="%d" height="%d" fill="#f5f7fa"/>' % (x0, y, plot_w, lane_h))
         name = timeline.lanes.get(lane, str(lane))
-        out.append('<text x="%d" y="%d" text-anchor="end"><title>%s</title>%s</text>'
-                   % (x0 - 8, y + 15, html.escape(name), html.escape(_shorten(name, 28))))
+        out.append(_label(x0 - 8, y + 15, name, 28, 'text-anchor="end"'))
         for depth, cname, a, b, what in _merged(timeline, lane, x):
             inset = 3 + 4 * min(depth, 2)
             out.append('<rect x="%.1f" y="%d" width="%.1f" height="%d" fill="%s"><title>%s</title></rect>'
@@ -252,12 +251,19 @@ def render_svg(timeline: Timeline, *, max_lanes: int = 14, max_operations: int =
         y = top + 8 + i * 18
         bar = 110 * r.total_ms / longest
         fill = "#d62728" if r.name == WAITING_FOR_RANKS else colour(r.name)
-        out.append('<text x="%d" y="%d"><title>%s</title>%s</text>' % (tx, y + 12, html.escape(r.name), html.escape(_shorten(r.name, 24))))
+        out.append(_label(tx, y + 12, r.name, 24))
         out.append('<rect x="%d" y="%d" width="%.1f" height="12" fill="%s"/>' % (tx + 165, y + 2, max(bar, 1), fill))
         out.append('<text x="%d" y="%d" fill="#333">%s, %d\u00d7, %.0f%%</text>'
                    % (tx + 165 + 116, y + 12, _fmt_us(r.total_ms * 1000), r.count, 100 * r.share_of_wall))
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _label(x: float, y: float, text: str, n: int, attrs: str = "") -> str:
+    """A text label, shortened to ``n`` characters; the whole text as its tooltip when shortened."""
+    short = _shorten(text, n)
+    label = '<text x="%d" y="%d" %s>%s</text>' % (x, y, attrs, html.escape(short))
+    return label if short == text else "<g><title>%s</title>%s</g>" % (html.escape(text), label)
 
 
 def _merged(timeline: Timeline, lane: int, x) -> list[tuple[int, str, float, float, str]]:

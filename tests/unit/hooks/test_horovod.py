@@ -171,3 +171,28 @@ def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_chec
     with pytest.raises(ArtifactError, match="never committed"):
         hook.checkpoint_at(str(try2 / "checkpoints"))
     assert str(hook.checkpoint_at(str(try1))) == str(try1 / "checkpoints")
+
+
+def test_history_server_extra_is_kept_out_of_spark_conf(monkeypatch):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="yarn",
+         extra={"history_server_url": "http://history.example:18080/", "spark.eventLog.enabled": "true"})
+    target = HorovodRunnerHook("spark_x").resolve_target()
+    assert target.history_server_url == "http://history.example:18080"
+    assert target.conf == {"spark.eventLog.enabled": "true"}
+
+
+@pytest.mark.parametrize("value", ["history.example:18080", "file:///tmp/x", 18080])
+def test_history_server_extra_must_be_an_http_url(monkeypatch, value):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="yarn", extra={"history_server_url": value})
+    with pytest.raises(SparkConnectionError, match="history_server_url"):
+        HorovodRunnerHook("spark_x").resolve_target()
+
+
+def test_no_spark_ui_link_without_an_event_log(monkeypatch, spark):
+    """The shared session writes no event log: a History Server would never show it, so no link."""
+    conn(monkeypatch, "spark_x", conn_type="spark", host="local[2]", extra={"history_server_url": "http://h:18080"})
+    hook = HorovodRunnerHook("spark_x")
+    hook._target = hook.resolve_target()
+    assert spark.conf.get("spark.eventLog.enabled", "false") == "false"
+    assert hook.history_server_url(spark) is None
+    assert HorovodRunnerHook("spark_default").history_server_url(spark) is None  # no connection: no link

@@ -57,7 +57,7 @@ def test_operations_are_timed_spans_and_an_unclosed_one_ends_with_the_timeline()
 def test_picture_draws_lanes_over_time_with_ticks_and_totals_beside(tmp_path):
     svg = render_svg(parse(horovod_events()), title="dag / train, try 1")
     root = ET.fromstring(svg)  # well-formed SVG
-    texts = [t.text or "".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    texts = ["".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text")]
     joined = " ".join(texts)
     assert "allreduce.grad.w" in joined and "allreduce.grad.b" in joined  # one lane per tensor
     assert "Time per operation" in joined and WAITING_FOR_RANKS in joined

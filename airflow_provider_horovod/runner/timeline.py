@@ -191,7 +191,7 @@ def render_svg(timeline: Timeline, *, max_lanes: int = 14, max_operations: int =
     Spans narrower than a pixel are merged per lane and colour, so the picture stays small for
     timelines of any length.
     """
-    label_w, plot_w, gap, totals_w = 170, 520, 24, 390
+    label_w, plot_w, gap, totals_w = 170, 520, 24, 400
     lane_h, top, axis_h = 22, 58, 34
     width = label_w + plot_w + gap + totals_w + 10
     order = timeline.busiest_lanes()
@@ -222,7 +222,7 @@ def render_svg(timeline: Timeline, *, max_lanes: int = 14, max_operations: int =
         if row % 2:
             out.append('<rect x="%d" y="%d" width="%d" height="%d" fill="#f5f7fa"/>' % (x0, y, plot_w, lane_h))
         name = timeline.lanes.get(lane, str(lane))
-        out.append(_label(x0 - 8, y + 15, name, 28, 'text-anchor="end"'))
+        out.append(_label(x0 - 8, y + 15, name, 25, 'text-anchor="end"'))
         for depth, cname, a, b, what in _merged(timeline, lane, x):
             inset = 3 + 4 * min(depth, 2)
             out.append('<rect x="%.1f" y="%d" width="%.1f" height="%d" fill="%s"><title>%s</title></rect>'
@@ -245,16 +245,19 @@ def render_svg(timeline: Timeline, *, max_lanes: int = 14, max_operations: int =
                    % (10, axis_y + 32, len(order) - len(shown), _fmt_us(rest)))
     # the totals, beside the lanes
     tx = x0 + plot_w + gap
-    out.append('<text x="%d" y="%d" font-weight="bold">Time per operation</text>' % (tx, top - 4))
+    out.append('<text x="%d" y="%d" font-weight="bold">Time per operation</text>' % (tx, top - 18))
+    out.append('<text x="%d" y="%d" fill="#666" font-size="11">summed over tensors; share of the %s wall time</text>'
+               % (tx, top - 4, _fmt_us(wall)))
     longest = max((r.total_ms for r in totals), default=0.0) or 1.0
     for i, r in enumerate(totals):
         y = top + 8 + i * 18
         bar = 110 * r.total_ms / longest
         fill = "#d62728" if r.name == WAITING_FOR_RANKS else colour(r.name)
-        out.append(_label(tx, y + 12, r.name, 24))
-        out.append('<rect x="%d" y="%d" width="%.1f" height="12" fill="%s"/>' % (tx + 165, y + 2, max(bar, 1), fill))
-        out.append('<text x="%d" y="%d" fill="#333">%s, %d\u00d7, %.0f%%</text>'
-                   % (tx + 165 + 116, y + 12, _fmt_us(r.total_ms * 1000), r.count, 100 * r.share_of_wall))
+        out.append(_label(tx, y + 12, r.name, 22))
+        out.append('<rect x="%d" y="%d" width="%.1f" height="12" fill="%s"/>' % (tx + 170, y + 2, max(bar, 1), fill))
+        out.append('<text x="%d" y="%d" fill="#333">%s, %d\u00d7%s</text>'
+                   % (tx + 170 + 116, y + 12, _fmt_us(r.total_ms * 1000), r.count,
+                      ", %.0f%%" % (100 * r.share_of_wall) if r.share_of_wall <= 1 else ""))
     out.append("</svg>")
     return "\n".join(out)
 
@@ -316,7 +319,11 @@ def _fmt_us(us: float) -> str:
 
 
 def _shorten(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "\u2026"
+    """At most ``n`` characters; the middle gives way, so ``...buffer.1`` and ``...buffer.2`` stay apart."""
+    if len(text) <= n:
+        return text
+    head = (n - 1) // 2
+    return text[:head] + "\u2026" + text[len(text) - (n - 1 - head):]
 
 
 def _int(value: Any) -> int:

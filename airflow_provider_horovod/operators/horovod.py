@@ -115,8 +115,7 @@ class HorovodRunnerOperator(BaseOperator):
         self.hook.check_job(self.training_callable, self.op_args, self.op_kwargs)
         store = self._try_folder(context)
         resume_from = self._resume_from(store, context["ti"].try_number)
-        HorovodTimelineLink().persist(context, HorovodTimelineLink.view_url(context["ti"]))
-        self._push_spark_ui(context, np)
+        self._push_links(context, np)
         with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local:
             result, last_run, error = self._train(np, local, resume_from)
             xcom = self._store(store, local, result, last_run, context["ti"].try_number, error)
@@ -151,7 +150,9 @@ class HorovodRunnerOperator(BaseOperator):
         self._resumed_from = str(source)
         return self.hook.download(source)
 
-    def _push_spark_ui(self, context: Context, np: int) -> None:
+    def _push_links(self, context: Context, np: int) -> None:
+        """The links work while the task runs: the Horovod view; the History Server's page of the app."""
+        HorovodTimelineLink().persist(context, HorovodTimelineLink.view_url(context["ti"]))
         if np > 0:  # builds the SparkSession: its application is known before the job starts
             SparkUILink().persist(context, self.hook.history_server_url(self.hook.get_conn()))
 

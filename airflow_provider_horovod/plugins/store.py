@@ -117,8 +117,11 @@ class Try:
         size = _size(path)
         if size is not None and size > MAX_TIMELINE_BYTES:
             return None
-        with path.open("rb") as f:
-            events = json.loads(f.read())
+        try:
+            with path.open("rb") as f:
+                events = json.loads(f.read())
+        except ValueError:  # not JSON: the engine repairs a cut timeline, so this one is not Horovod's
+            return None
         return events if isinstance(events, list) else []
 
 

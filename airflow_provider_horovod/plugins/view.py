@@ -32,7 +32,6 @@ from airflow_provider_horovod.plugins.store import BadRequest, NotFound, TaskArt
 from airflow_provider_horovod.runner import timeline as hvd_timeline
 from airflow_provider_horovod.runner.artifacts import CHECKPOINTS, MARKER, TIMELINE
 
-URL_PREFIX = "/horovod"
 TASK_ROUTE = "/dags/{dag_id}/runs/{run_id}/tasks/{task_id}"
 CHUNK = 1 << 20
 
@@ -94,7 +93,7 @@ def tries_json(dag_id: str, run_id: str, task_id: str, map_index: str | None = N
 def timeline_svg(dag_id: str, run_id: str, task_id: str, try_number: int, map_index: str | None = None) -> Response:
     chosen = _try(_task(dag_id, run_id, task_id, map_index), try_number)
     try:
-        svg = _drawn(chosen, "%s / %s, try %d" % (dag_id, task_id, try_number))
+        svg = _pictures.get(chosen, "%s / %s, try %d" % (dag_id, task_id, try_number))
     except NotFound:
         svg = None
     if svg is None:
@@ -171,10 +170,6 @@ class _Pictures:
 
 
 _pictures = _Pictures()
-
-
-def _drawn(t: Try, title: str) -> str | None:
-    return _pictures.get(t, title)
 
 
 def _fmt_size(size: int | None) -> str:

@@ -127,6 +127,7 @@ class HorovodRunnerHook(BaseHook):
         else:
             target = self._target_from_connection(conn)
         target.conf.update(_conf_values(self.spark_conf, "spark_conf"))
+        self._target = target
         return target
 
     def _target_from_connection(self, conn: Connection) -> SparkTarget:
@@ -189,7 +190,7 @@ class HorovodRunnerHook(BaseHook):
             return self._session
         from pyspark.sql import SparkSession
 
-        target = self._target = self.resolve_target()
+        target = self.resolve_target()
         builder = SparkSession.builder.appName(self.app_name)
         # Spark's console progress bar only garbles the task log; the connection's conf can turn it on
         for key, value in {"spark.ui.showConsoleProgress": "false", **target.conf}.items():
@@ -225,7 +226,7 @@ class HorovodRunnerHook(BaseHook):
         ``None`` when the connection names no ``history_server_url``, or when the session does not
         write an event log (``spark.eventLog.enabled``): the History Server would never show it.
         """
-        target = self._target
+        target = self._target  # what get_conn() resolved
         if target is None or not target.history_server_url:
             return None
         enabled = app_id = None

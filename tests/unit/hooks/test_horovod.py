@@ -192,7 +192,7 @@ def test_no_spark_ui_link_without_an_event_log(monkeypatch, spark):
     """The shared session writes no event log: a History Server would never show it, so no link."""
     conn(monkeypatch, "spark_x", conn_type="spark", host="local[2]", extra={"history_server_url": "http://h:18080"})
     hook = HorovodRunnerHook("spark_x")
-    hook._target = hook.resolve_target()
+    hook.resolve_target()  # as get_conn() does
     assert spark.conf.get("spark.eventLog.enabled", "false") == "false"
     assert hook.history_server_url(spark) is None
     assert HorovodRunnerHook("spark_default").history_server_url(spark) is None  # no connection: no link

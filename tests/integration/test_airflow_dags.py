@@ -179,6 +179,10 @@ def test_retry_resumes_from_the_checkpoint_of_the_failed_try(airflow):
     assert json.loads((first_store / "_ARTIFACTS.json").read_text())["status"] == "failed"
     assert (first_store / "checkpoints" / "step.txt").read_text() == "41"
     assert local(second["artifacts_uri"]).name == "try-2"
+    second_marker = json.loads((local(second["artifacts_uri"]) / "_ARTIFACTS.json").read_text())
+    assert second_marker["resumed_from"] == "file://%s" % (first_store / "checkpoints")  # what the Horovod view shows
+    assert json.loads((first_store / "_ARTIFACTS.json").read_text())["error"]["exception"] == (
+        "RuntimeError: first try fails after its checkpoint")
 
 
 def test_sigterm_cancels_the_spark_job_and_leaves_no_process(airflow):

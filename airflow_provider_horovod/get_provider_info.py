@@ -40,6 +40,12 @@ def get_provider_info() -> dict[str, Any]:
                 "class-name": "airflow_provider_horovod.decorators.horovod.horovod_task",
             }
         ],
+        "plugins": [
+            {
+                "name": "horovod",
+                "plugin-class": "airflow_provider_horovod.plugins.horovod.HorovodPlugin",
+            }
+        ],
         "extra-links": [
             "airflow_provider_horovod.links.SparkUILink",
             "airflow_provider_horovod.links.HorovodTimelineLink",
@@ -59,7 +65,19 @@ def get_provider_info() -> dict[str, Any]:
                         "type": "string",
                         "example": "s3://aws_default@my-bucket/horovod",
                         "default": "",
-                    }
+                    },
+                    "view_extra_roots": {
+                        "description": (
+                            "The Horovod view (a tab on the task-instance page) reads each try's artifacts "
+                            "under artifact_root. Tasks that set their own artifact_root elsewhere are shown "
+                            "too when that root is listed here (comma-separated URLs). The view never reads "
+                            "outside these roots."
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "s3://aws_default@my-bucket/other-team/horovod",
+                        "default": "",
+                    },
                 },
             }
         },

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from airflow.sdk import BaseHook, ObjectStoragePath
 
@@ -32,6 +33,8 @@ EMBEDDED_MASTER = "local[2]"
 MASTER_PATTERN = re.compile(r"^(local(\[(\d+|\*)(,\s*\d+)?\])?|local-cluster\[[\d,\s]+\]|yarn|spark://.+|k8s://.+)$")
 # Extras of the ``spark`` connection that only mean something to spark-submit.
 SPARK_SUBMIT_ONLY_EXTRAS = ("spark-binary", "rest-scheme", "rest-port", "yarn_resourcemanager_webapp_address")
+# The extra of a ``spark`` connection that names its Spark History Server (the "Spark UI" link goes there).
+HISTORY_SERVER_EXTRA = "history_server_url"
 # Extras of the ``spark`` connection that map onto Spark conf keys.
 EXTRA_TO_CONF = {
     "queue": "spark.yarn.queue",
@@ -53,6 +56,7 @@ class SparkTarget:
     remote: str | None = None
     conf: dict[str, str] = field(default_factory=dict)
     embedded_fallback: bool = False
+    history_server_url: str | None = None
 
     @property
     def where(self) -> str:
@@ -73,6 +77,10 @@ class HorovodRunnerHook(BaseHook):
       ``queue``, ``namespace``, ``principal`` map to their Spark conf keys. ``deploy-mode`` must be
       ``client``: the Spark driver runs inside the Airflow task.
     * ``spark_connect``: ``sc://host:port``, with the token in the password field.
+
+    Either type may name its Spark History Server in the extra ``history_server_url``
+    (``https://history.example.com:18080``); with ``spark.eventLog.enabled`` the task's "Spark UI"
+    link points at the application there, where it outlives the task.
 
     When the default connection ``spark_default`` does not exist, the hook runs an embedded
     ``local[2]`` Spark inside the task, so example DAGs run with no setup.
@@ -100,6 +108,7 @@ class HorovodRunnerHook(BaseHook):
         self._session: Any = None
         self._owns_session = False
         self._runner: Any = None
+        self._target: SparkTarget | None = None
         self.last_run: dict[str, Any] = {}
 
     # -- connection -> SparkSession ---------------------------------------------------------------
@@ -121,6 +130,7 @@ class HorovodRunnerHook(BaseHook):
         else:
             target = self._target_from_connection(conn)
         target.conf.update(_conf_values(self.spark_conf, "spark_conf"))
+        self._target = target
         return target
 
     def _target_from_connection(self, conn: Connection) -> SparkTarget:
@@ -130,13 +140,14 @@ class HorovodRunnerHook(BaseHook):
 
             self._mask(conn)
             url = SparkConnectHook(conn.conn_id).get_connection_url()
-            return SparkTarget(conn_id=conn.conn_id, remote=url)
+            return SparkTarget(conn_id=conn.conn_id, remote=url, history_server_url=_history_server(conn.conn_id, extras))
         if conn.conn_type != "spark":
             raise SparkConnectionError(
                 "Connection %r has type %r; HorovodRunnerHook needs a 'spark' connection (host = master URL) "
                 "or a 'spark_connect' connection (sc://host:port)." % (conn.conn_id, conn.conn_type)
             )
-        return SparkTarget(conn_id=conn.conn_id, master=_master_url(conn), conf=self._conf_from_extras(conn.conn_id, extras))
+        return SparkTarget(conn_id=conn.conn_id, master=_master_url(conn), conf=self._conf_from_extras(conn.conn_id, extras),
+                           history_server_url=_history_server(conn.conn_id, extras))
 
     def _conf_from_extras(self, conn_id: str, extras: dict[str, Any]) -> dict[str, str]:
         conf: dict[str, str] = {}
@@ -149,6 +160,8 @@ class HorovodRunnerHook(BaseHook):
                         "so only client mode can work: remove deploy-mode from the connection's extras or set "
                         "it to 'client'." % (conn_id, value)
                     )
+            elif key == HISTORY_SERVER_EXTRA:
+                continue  # read by resolve_target, not Spark conf
             elif key in SPARK_SUBMIT_ONLY_EXTRAS:
                 self.log.info("Ignoring extra %r of connection %r: it only concerns spark-submit.", key, conn_id)
             elif key in EXTRA_TO_CONF:
@@ -161,7 +174,7 @@ class HorovodRunnerHook(BaseHook):
             raise SparkConnectionError(
                 "Connection %r has extras HorovodRunnerHook does not understand: %s. Spark conf keys start "
                 "with 'spark.' (e.g. {\"spark.executor.memory\": \"4g\"}); the other allowed keys are "
-                "deploy-mode, queue, namespace, principal." % (conn_id, ", ".join(sorted(unknown)))
+                "deploy-mode, queue, namespace, principal, history_server_url." % (conn_id, ", ".join(sorted(unknown)))
             )
         return conf
 
@@ -209,9 +222,39 @@ class HorovodRunnerHook(BaseHook):
 
     @staticmethod
     def spark_ui_url(session: Any) -> str | None:
+        """The live Spark UI of ``session``: gone as soon as the session stops."""
         with contextlib.suppress(Exception):
             return session.sparkContext.uiWebUrl
         return None
+
+    def history_server_url(self, session: Any) -> str | None:
+        """The application's page on the connection's Spark History Server, or ``None``.
+
+        ``None`` when the connection names no ``history_server_url``, or when the session does not
+        write an event log (``spark.eventLog.enabled``): the History Server would never show it.
+        """
+        target = self._target  # what get_conn() resolved
+        if target is None or not target.history_server_url:
+            return None
+        enabled = app_id = None
+        with contextlib.suppress(Exception):
+            enabled = str(session.conf.get("spark.eventLog.enabled", "false")).lower()
+        if enabled != "true":
+            self.log.warning(
+                "Connection %r names a Spark History Server, but spark.eventLog.enabled is not true: the "
+                "application will not appear there, so the task gets no Spark UI link. Set "
+                "spark.eventLog.enabled=true and spark.eventLog.dir (the History Server's log directory).",
+                target.conn_id,
+            )
+            return None
+        with contextlib.suppress(Exception):
+            app_id = session.sparkContext.applicationId
+        if not app_id:  # Spark Connect: no SparkContext on the client
+            with contextlib.suppress(Exception):
+                app_id = session.conf.get("spark.app.id", None)
+        if not app_id:
+            return None
+        return "%s/history/%s/jobs/" % (target.history_server_url.rstrip("/"), quote(str(app_id), safe=""))
 
     # -- the engine ------------------------------------------------------------------------------
     def run(
@@ -508,6 +551,18 @@ def _extras(conn: Connection) -> dict[str, Any]:
             "\"4g\"}; got a JSON %s." % (conn.conn_id, type(extras).__name__)
         )
     return extras
+
+
+def _history_server(conn_id: str, extras: dict[str, Any]) -> str | None:
+    value = extras.get(HISTORY_SERVER_EXTRA)
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str) or not re.match(r"^https?://[^/\s]+", value.strip()):
+        raise SparkConnectionError(
+            "Extra %r of connection %r must be the http(s) URL of a Spark History Server, e.g. "
+            "\"http://history.example.com:18080\"; got %r." % (HISTORY_SERVER_EXTRA, conn_id, value)
+        )
+    return value.strip().rstrip("/")
 
 
 def _master_url(conn: Connection) -> str:

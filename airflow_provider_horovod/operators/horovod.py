@@ -119,14 +119,14 @@ class HorovodRunnerOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any]:
         np = validate_np(self.np)
         self.hook.check_job(self.training_callable, self.op_args, self.op_kwargs)
-        self._push_links(context, spark_ui=None, timeline=None)  # each link's key exists from the start
+        self._push_links(context)
         store = self._try_folder(context)
         source, resume_from = self._resume_from(store, context["ti"].try_number)
         self._push_spark_ui(context, np)
         with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local:
             result, last_run, error = self._train(np, local, resume_from)
-            xcom, timeline_link = self._store(store, local, result, last_run, context["ti"].try_number, error)
-        self._push_metadata(context, xcom, timeline_link)
+            xcom = self._store(store, local, result, last_run, context["ti"].try_number, error, source)
+        self._push_metadata(context, xcom)
         self._log_summary(xcom, last_run, source, error)
         if error is not None:
             raise error
@@ -159,13 +159,15 @@ class HorovodRunnerOperator(BaseOperator):
         self.log.info("Resuming from checkpoint %s", source)
         return source, self.hook.download(source)
 
-    def _push_links(self, context: Context, *, spark_ui: str | None, timeline: str | None) -> None:
-        SparkUILink().persist(context, spark_ui)
-        HorovodTimelineLink().persist(context, timeline)
+    def _push_links(self, context: Context) -> None:
+        """Each link's key exists from the start (a task that fails early logs no `XCom not found`);
+        the Horovod view's link works while the task runs."""
+        HorovodTimelineLink().persist(context, HorovodTimelineLink.view_url(context["ti"]))
+        SparkUILink().persist(context, None)
 
     def _push_spark_ui(self, context: Context, np: int) -> None:
-        if np > 0:  # builds the SparkSession: its UI is known before the job starts
-            SparkUILink().persist(context, self.hook.spark_ui_url(self.hook.get_conn()))
+        if np > 0:  # builds the SparkSession: its application is known before the job starts
+            SparkUILink().persist(context, self.hook.history_server_url(self.hook.get_conn()))
 
     def _train(self, np: int, local_dir: str, resume_from: str | None) -> tuple[Any, dict[str, Any], BaseException | None]:
         from airflow_provider_horovod import ArtifactError, HorovodRunError
@@ -188,7 +190,7 @@ class HorovodRunnerOperator(BaseOperator):
                 shutil.rmtree(resume_from, ignore_errors=True)
 
     def _store(self, store: ObjectStoragePath, local: str, result: Any, last_run: dict[str, Any],
-               try_number: int, error: BaseException | None) -> tuple[dict[str, Any], str | None]:
+               try_number: int, error: BaseException | None, resumed_from: ObjectStoragePath | None) -> dict[str, Any]:
         import cloudpickle
 
         xcom_result: Any = None
@@ -200,14 +202,18 @@ class HorovodRunnerOperator(BaseOperator):
                 extra_files[RESULT_FILE] = cloudpickle.dumps(result)
                 xcom_result = {"artifact_uri": str(store / RESULT_FILE), "type": _type_name(result), "format": "cloudpickle"}
         status = "success" if error is None else ("cancelled" if last_run.get("status") == "cancelled" else "failed")
-        marker = {"status": status, "try_number": try_number, "np": last_run.get("np"), "run_id": last_run.get("run_id")}
+        marker = {
+            "status": status, "try_number": try_number, "np": last_run.get("np"), "run_id": last_run.get("run_id"),
+            "launcher": self.launcher, "duration_s": last_run.get("duration_s"),
+            "resumed_from": str(resumed_from) if resumed_from is not None else None,
+            "error": _failure(error, last_run) if error is not None else None,
+        }
         committed = self.hook.store_artifacts(local, store, marker, extra_files=extra_files)
         files = set(committed["stored_files"])
         checkpoint_uri = str(store / CHECKPOINTS) if any(f.startswith(CHECKPOINTS + "/") for f in files) else None
         timeline_uri = str(store / TIMELINE) if TIMELINE in files else None
-        picture = str(store / "timeline.svg") if "timeline.svg" in files else None
         self.log.info("Stored %d artifact files in %s (%s)", len(files), store, status)
-        xcom = {
+        return {
             "result": xcom_result,
             "artifacts_uri": str(store),
             "checkpoint_uri": checkpoint_uri,
@@ -218,13 +224,11 @@ class HorovodRunnerOperator(BaseOperator):
             "try_number": try_number,
             "duration_s": last_run.get("duration_s"),
         }
-        return xcom, picture or timeline_uri
 
-    def _push_metadata(self, context: Context, xcom: dict[str, Any], timeline_link: str | None) -> None:
+    def _push_metadata(self, context: Context, xcom: dict[str, Any]) -> None:
         ti = context["ti"]
         for name in METADATA:
             ti.xcom_push(key=METADATA_XCOM_PREFIX + name, value=xcom[name])
-        HorovodTimelineLink().persist(context, timeline_link)
 
     def _log_summary(self, xcom: dict[str, Any], last_run: dict[str, Any], resumed_from: Any, error: BaseException | None) -> None:
         duration = xcom["duration_s"]
@@ -263,6 +267,21 @@ def validate_np(np: Any) -> int:
             "got %r. Fix the np argument or the template that renders it." % (np,)
         )
     return value
+
+
+def _failure(error: BaseException, last_run: dict[str, Any]) -> dict[str, Any]:
+    """The failure a try's marker keeps for the Horovod view: the engine's report, else the exception."""
+    report = last_run.get("error")
+    if isinstance(report, dict) and report.get("message"):
+        return report
+    return {
+        "message": str(error).split("\n", 1)[0],
+        "exception": "%s: %s" % (type(error).__name__, str(error).split("\n", 1)[0]),
+        "rank": getattr(error, "rank", None),
+        "host": getattr(error, "host", None),
+        "traceback": getattr(error, "remote_traceback", None) or "",
+        "tail": [line for lines in (getattr(error, "log_tail", None) or {}).values() for line in lines][-40:],
+    }
 
 
 def _is_json(value: Any) -> bool:

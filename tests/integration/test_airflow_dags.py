@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import cloudpickle
 import psutil
@@ -125,8 +126,12 @@ def test_digits_example_trains_evaluates_and_publishes_the_model(airflow):
     assert (local(trained["checkpoint_uri"]) / "model.pt").stat().st_size > 0
     assert isinstance(json.loads(local(trained["timeline_uri"]).read_text()), (list, dict))  # valid Chrome trace
     assert (store / "timeline.svg").exists()
-    assert airflow.xcom("horovod_digits_train", "train", "horovod_timeline_url") == str(store / "timeline.svg").replace(str(store), trained["artifacts_uri"])
-    assert str(airflow.xcom("horovod_digits_train", "train", "horovod_spark_ui_url")).startswith("http")
+    run = quote(airflow.last_run_id("horovod_digits_train"), safe="")
+    assert airflow.xcom("horovod_digits_train", "train", "horovod_timeline_url") == (
+        "/dags/horovod_digits_train/runs/%s/tasks/train/plugin/horovod" % run)  # the Horovod tab of the UI
+    spark_ui = airflow.query("SELECT value FROM xcom WHERE dag_id = ? AND task_id = 'train' AND key = 'horovod_spark_ui_url'",
+                             "horovod_digits_train")
+    assert all(json.loads(v) in ("", None) for (v,) in spark_ui)  # no History Server named: no dead :4040 link
 
     evaluated = airflow.xcom("horovod_digits_train", "evaluate")
     assert evaluated["accuracy"] >= 0.90
@@ -212,6 +217,10 @@ def test_retry_resumes_from_the_checkpoint_of_the_failed_try(airflow):
     assert json.loads((first_store / "_ARTIFACTS.json").read_text())["status"] == "failed"
     assert (first_store / "checkpoints" / "step.txt").read_text() == "41"
     assert second_store.name == "try-2"
+    second_marker = json.loads((second_store / "_ARTIFACTS.json").read_text())
+    assert second_marker["resumed_from"] == "file://%s" % (first_store / "checkpoints")  # what the Horovod view shows
+    assert json.loads((first_store / "_ARTIFACTS.json").read_text())["error"]["exception"] == (
+        "RuntimeError: first try fails after its checkpoint")
 
 
 def test_sigterm_cancels_the_spark_job_and_leaves_no_process(airflow):

@@ -51,6 +51,20 @@ def test_airflow_lists_the_provider(tmp_path):
     assert sorted(info["extra-links"]) == ["airflow_provider_horovod.links.HorovodTimelineLink",
                                            "airflow_provider_horovod.links.SparkUILink"]
     assert "artifact_root" in text
+    assert info["plugins"] == [{"name": "horovod", "plugin-class": "airflow_provider_horovod.plugins.horovod.HorovodPlugin"}]
+
+
+@pytest.mark.parametrize("lazy_discover_providers", ["True", "False"])
+def test_airflow_loads_the_horovod_view_plugin_once(tmp_path, lazy_discover_providers):
+    """Through the entry point by default, through the provider info with lazy discovery off; never twice."""
+    env = dict(os.environ, AIRFLOW_HOME=str(tmp_path), AIRFLOW__CORE__LOAD_EXAMPLES="False",
+               AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS=lazy_discover_providers)
+    code = ("import json; from airflow import plugins_manager as pm; plugins, errors = pm._get_plugins(); "
+            "print(json.dumps({'plugins': [p.name for p in plugins], 'errors': errors}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded == {"plugins": ["horovod"], "errors": {}}
 
 
 def test_barrier_stage_with_all_gather_runs_on_local_2(spark):

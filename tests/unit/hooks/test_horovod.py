@@ -219,3 +219,28 @@ def test_the_jvms_output_is_logged_at_its_log4j_level_not_as_errors(tmp_path):
     assert levels["\tat org.apache.spark.SparkContext.<init>(SparkContext.scala:1)"] == "ERROR"  # its stack trace
     assert levels["26/12/03 04:18:09 INFO Executor: Starting executor"] == "INFO"
     assert sum(r.getMessage() == filler for r in records) == 1000
+
+
+def test_history_server_extra_is_kept_out_of_spark_conf(monkeypatch):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="yarn",
+         extra={"history_server_url": "http://history.example:18080/", "spark.eventLog.enabled": "true"})
+    target = HorovodRunnerHook("spark_x").resolve_target()
+    assert target.history_server_url == "http://history.example:18080"
+    assert target.conf == {"spark.eventLog.enabled": "true"}
+
+
+@pytest.mark.parametrize("value", ["history.example:18080", "file:///tmp/x", 18080])
+def test_history_server_extra_must_be_an_http_url(monkeypatch, value):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="yarn", extra={"history_server_url": value})
+    with pytest.raises(SparkConnectionError, match="history_server_url"):
+        HorovodRunnerHook("spark_x").resolve_target()
+
+
+def test_no_spark_ui_link_without_an_event_log(monkeypatch, spark):
+    """The shared session writes no event log: a History Server would never show it, so no link."""
+    conn(monkeypatch, "spark_x", conn_type="spark", host="local[2]", extra={"history_server_url": "http://h:18080"})
+    hook = HorovodRunnerHook("spark_x")
+    hook.resolve_target()  # as get_conn() does
+    assert spark.conf.get("spark.eventLog.enabled", "false") == "false"
+    assert hook.history_server_url(spark) is None
+    assert HorovodRunnerHook("spark_default").history_server_url(spark) is None  # no connection: no link

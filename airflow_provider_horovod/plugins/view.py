@@ -1,0 +1,268 @@
+"""The Horovod view's API app, mounted in Airflow's API server under ``/horovod``.
+
+Every route sits under ``/dags/{dag_id}/runs/{run_id}/tasks/{task_id}`` and depends on Airflow's own
+``requires_access_dag("GET", TASK_INSTANCE)``: the caller must be logged in exactly as for the UI (the
+UI's ``_token`` cookie, or a bearer token; anonymous: 401) and the auth manager must let them read
+that DAG's task instances (else 403). Then :mod:`.store` decides what may be read (400/404).
+
+* ``GET .../tasks/{task_id}``: the page (HTML) the task-instance tab shows;
+* ``GET .../tries``: the same facts as JSON;
+* ``GET .../tries/{n}/timeline.svg``: the timeline picture, drawn from ``timeline.json``;
+* ``GET .../tries/{n}/files/{path}``: one stored file, as a download.
+
+``map_index`` (query) selects a mapped task instance; ``try_number`` (query) the try the page opens on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
+from jinja2 import Environment
+
+from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+from airflow.api_fastapi.core_api.security import requires_access_dag
+
+from airflow_provider_horovod.plugins.store import BadRequest, NotFound, TaskArtifacts, Try, roots
+from airflow_provider_horovod.runner import timeline as hvd_timeline
+from airflow_provider_horovod.runner.artifacts import CHECKPOINTS, MARKER, TIMELINE
+
+TASK_ROUTE = "/dags/{dag_id}/runs/{run_id}/tasks/{task_id}"
+CHUNK = 1 << 20
+
+router = APIRouter(prefix=TASK_ROUTE, dependencies=[Depends(requires_access_dag("GET", DagAccessEntity.TASK_INSTANCE))])
+
+
+def _task(dag_id: str, run_id: str, task_id: str, map_index: str | None) -> TaskArtifacts:
+    try:
+        return TaskArtifacts.find(dag_id, run_id, task_id, _map_index(map_index))
+    except BadRequest as err:
+        raise HTTPException(400, str(err)) from None
+
+
+def _try(task: TaskArtifacts, try_number: int) -> Try:
+    try:
+        return task.get(try_number)
+    except NotFound:
+        raise HTTPException(404, "No stored artifacts for try %d of this task instance" % try_number) from None
+
+
+def _map_index(value: str | None) -> int:
+    """The UI fills ``{MAP_INDEX}`` only for mapped task instances: anything not an int means -1."""
+    try:
+        return int(value) if value is not None else -1
+    except ValueError:
+        return -1
+
+
+@router.get("", response_class=HTMLResponse)
+def page(dag_id: str, run_id: str, task_id: str, request: Request, map_index: str | None = None,
+         try_number: str | None = None) -> HTMLResponse:
+    task = _task(dag_id, run_id, task_id, map_index)
+    tries = task.tries()
+    selected = next((t for t in tries if str(t.number) == (try_number or "")), tries[-1] if tries else None)
+    base = request.scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or request.url.path
+    mi = _map_index(map_index)
+
+    def url(*parts: str, **query: Any) -> str:
+        q = {"map_index": mi} if mi >= 0 else {}
+        q.update({k: v for k, v in query.items() if v is not None})
+        path = "/".join([base, *(quote(p, safe="/") for p in parts)])
+        return path + ("?" + urlencode(q) if q else "")
+
+    facts = _facts(selected) if selected else None
+    body = _PAGE.render(
+        dag_id=dag_id, run_id=run_id, task_id=task_id, map_index=mi, tries=tries, selected=selected, facts=facts,
+        url=url, roots=", ".join(roots()), checkpoints=CHECKPOINTS, timeline=TIMELINE, fmt_size=_fmt_size,
+    )
+    return HTMLResponse(body, headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
+
+
+@router.get("/tries")
+def tries_json(dag_id: str, run_id: str, task_id: str, map_index: str | None = None) -> dict[str, Any]:
+    task = _task(dag_id, run_id, task_id, map_index)
+    return {"tries": [_facts(t) for t in task.tries()]}
+
+
+@router.get("/tries/{try_number}/timeline.svg")
+def timeline_svg(dag_id: str, run_id: str, task_id: str, try_number: int, map_index: str | None = None) -> Response:
+    chosen = _try(_task(dag_id, run_id, task_id, map_index), try_number)
+    try:
+        svg = _pictures.get(chosen, "%s / %s, try %d" % (dag_id, task_id, try_number))
+    except NotFound:
+        svg = None
+    if svg is None:
+        raise HTTPException(404, "Try %d stored no timeline this view can draw" % try_number)
+    return Response(svg, media_type="image/svg+xml",
+                    headers={"Cache-Control": "private, max-age=300", "X-Content-Type-Options": "nosniff"})
+
+
+@router.get("/tries/{try_number}/files/{path:path}")
+def download(dag_id: str, run_id: str, task_id: str, try_number: int, path: str, map_index: str | None = None) -> Response:
+    chosen = _try(_task(dag_id, run_id, task_id, map_index), try_number)
+    try:
+        stored = chosen.file(path)
+    except NotFound:
+        raise HTTPException(404, "Try %d stored no file %r" % (try_number, path)) from None
+    name = path.rsplit("/", 1)[-1]
+
+    def chunks() -> Iterator[bytes]:
+        with stored.open("rb") as f:
+            while block := f.read(CHUNK):
+                yield block
+
+    headers = {"Content-Disposition": "attachment; filename*=UTF-8''%s" % quote(name, safe=""),
+               "X-Content-Type-Options": "nosniff", "Cache-Control": "private, no-cache"}
+    size = next((f.size for f in chosen.files() if f.path == path), None)
+    if size is not None:
+        headers["Content-Length"] = str(size)
+    media = "application/json" if name.endswith(".json") else "application/octet-stream"
+    return StreamingResponse(chunks(), media_type=media, headers=headers)
+
+
+def _facts(t: Try) -> dict[str, Any]:
+    """What the page shows about one try, from its marker."""
+    marker = t.marker or {}
+    files = t.files()
+    error = marker.get("error") if isinstance(marker.get("error"), dict) else None
+    return {
+        "try_number": t.number,
+        "status": t.status,
+        "committed": t.committed,
+        "np": marker.get("np"),
+        "launcher": marker.get("launcher"),
+        "duration_s": marker.get("duration_s"),
+        "resumed_from": marker.get("resumed_from"),
+        "artifacts_uri": str(t.folder),
+        "files": [{"path": f.path, "size": f.size} for f in files if f.path != MARKER],
+        "checkpoints": [{"path": f.path, "size": f.size} for f in files if f.path.startswith(CHECKPOINTS + "/")],
+        "timeline": TIMELINE in {f.path for f in files},
+        "error": error,
+    }
+
+
+class _Pictures:
+    """Drawn timelines, by try folder and commit time: a committed folder never changes."""
+
+    def __init__(self, size: int = 16) -> None:
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[str, Any], str | None] = OrderedDict()
+        self._size = size
+
+    def get(self, t: Try, title: str) -> str | None:
+        key = (str(t.folder), (t.marker or {}).get("committed_at"))
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        events = t.timeline_events()
+        svg = None if events is None else hvd_timeline.render_svg(hvd_timeline.parse(events), title=title)
+        with self._lock:
+            self._items[key] = svg
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return svg
+
+
+_pictures = _Pictures()
+
+
+def _fmt_size(size: int | None) -> str:
+    if size is None:
+        return "?"
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return ("%d %s" % (value, unit)) if unit == "B" else ("%.1f %s" % (value, unit))
+        value /= 1024
+    return "%d B" % size
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(title="Horovod view", description="Horovod runs of Airflow task instances: timeline, checkpoints, failures.",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(router)
+    return app
+
+
+_PAGE = Environment(autoescape=True).from_string("""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Horovod · {{ dag_id }} / {{ task_id }}</title>
+<style>
+ body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 16px 20px; color: #1d2733; font-size: 14px; }
+ h1 { font-size: 18px; margin: 0 0 2px; } h2 { font-size: 15px; margin: 22px 0 8px; } .sub { color: #5b6673; margin: 0 0 12px; }
+ nav a { display: inline-block; padding: 4px 10px; margin: 0 6px 6px 0; border: 1px solid #c7ced6; border-radius: 14px;
+         text-decoration: none; color: #1d2733; }
+ nav a.selected { background: #1d2733; color: white; border-color: #1d2733; }
+ .success { color: #1e7b34; } .failed { color: #b3261e; } .cancelled { color: #8a5a00; }
+ nav a.selected.success, nav a.selected.failed, nav a.selected.cancelled { color: white; }
+ table { border-collapse: collapse; } td, th { padding: 3px 14px 3px 0; text-align: left; vertical-align: top; }
+ th { color: #5b6673; font-weight: 500; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+ code, pre { font-family: ui-monospace, Menlo, monospace; font-size: 12px; }
+ pre { background: #f6f8fa; border: 1px solid #e1e5ea; padding: 8px 10px; overflow-x: auto; max-height: 320px; }
+ #failure { border-left: 4px solid #b3261e; padding-left: 12px; }
+ #timeline-picture { max-width: 100%; height: auto; border: 1px solid #e1e5ea; }
+ .muted { color: #5b6673; }
+</style></head>
+<body>
+<h1>Horovod · {{ dag_id }} / {{ task_id }}{% if map_index >= 0 %} [{{ map_index }}]{% endif %}</h1>
+<p class="sub">run <code>{{ run_id }}</code></p>
+{% if not tries %}
+<p id="no-artifacts">This task instance has stored no Horovod artifacts yet (looked under <code>{{ roots }}</code>).</p>
+{% else %}
+<nav id="tries">{% for t in tries %}<a href="{{ url(try_number=t.number, chosen=1) }}" data-try="{{ t.number }}"
+ class="{{ t.status }}{% if t.number == selected.number %} selected{% endif %}">try {{ t.number }} · {{ t.status }}</a>{% endfor %}</nav>
+<table id="summary">
+ <tr><th>status</th><td class="{{ facts.status }}" id="status">{{ facts.status }}</td></tr>
+ <tr><th>ranks (np)</th><td id="np">{% if facts.np is none %}?{% elif facts.np < 0 %}{{ facts.np }} <span class="muted">({{ -facts.np }} processes inside the task, no Spark job)</span>{% else %}{{ facts.np }} <span class="muted">(one per Spark barrier task)</span>{% endif %}</td></tr>
+ <tr><th>launcher</th><td id="launcher">{{ facts.launcher or "?" }}</td></tr>
+ <tr><th>duration</th><td id="duration">{% if facts.duration_s is not none %}{{ "%.1f"|format(facts.duration_s) }} s{% else %}?{% endif %}</td></tr>
+ <tr><th>resumed from</th><td id="resumed-from">{% if facts.resumed_from %}<code>{{ facts.resumed_from }}</code>{% else %}<span class="muted">nothing (started fresh)</span>{% endif %}</td></tr>
+ <tr><th>artifact folder</th><td><code id="artifacts-uri">{{ facts.artifacts_uri }}</code></td></tr>
+</table>
+{% if not facts.committed %}<p class="muted">This try has not committed its artifacts (it is running, or its worker died before the end).</p>{% endif %}
+{% if facts.error %}{% set e = facts.error %}
+<section id="failure"><h2>Failure{% if e.rank is not none %} of rank {{ e.rank }}{% endif %}{% if e.host %} on {{ e.host }}{% endif %}</h2>
+ <p id="failure-message">{{ e.exception or e.message }}{% if e.exit %} ({{ e.exit }}){% endif %}</p>
+ {% if e.traceback %}<pre id="failure-traceback">{{ e.traceback }}</pre>{% endif %}
+ {% if e.tail %}<h3>Last lines{% if e.rank is not none %} of rank {{ e.rank }}{% endif %}</h3><pre id="failure-tail">{{ e.tail | join("\\n") }}</pre>{% endif %}
+ {% if e.launcher_output %}<h3>The launcher's words</h3><pre>{{ e.launcher_output | join("\\n") }}</pre>{% endif %}
+</section>{% endif %}
+<section><h2>Timeline</h2>
+{% if facts.timeline %}
+ <p><img id="timeline-picture" alt="Horovod timeline of try {{ selected.number }}" src="{{ url('tries', selected.number|string, 'timeline.svg') }}"></p>
+ <p><a id="timeline-download" href="{{ url('tries', selected.number|string, 'files', timeline) }}" download>Download {{ timeline }}</a>
+ <span class="muted">— open it in <a href="https://ui.perfetto.dev" target="_blank" rel="noopener">Perfetto</a> or <code>chrome://tracing</code> for every event.</span></p>
+{% else %}<p class="muted" id="no-timeline">No timeline was stored for this try (run the task with <code>timeline=True</code>).</p>{% endif %}
+</section>
+<section><h2>Checkpoints</h2>
+{% if facts.checkpoints %}<table id="checkpoints"><tr><th>file</th><th>size</th><th></th></tr>
+{% for f in facts.checkpoints %}<tr><td><code>{{ f.path[checkpoints|length + 1:] }}</code></td><td class="num">{{ fmt_size(f.size) }}</td>
+<td><a class="download" href="{{ url('tries', selected.number|string, 'files', f.path) }}" download>download</a></td></tr>{% endfor %}</table>
+{% else %}<p class="muted" id="no-checkpoints">Rank 0 stored no checkpoint in this try.</p>{% endif %}
+</section>
+<section><h2>All stored files</h2><table id="files">
+{% for f in facts.files %}<tr><td><code>{{ f.path }}</code></td><td class="num">{{ fmt_size(f.size) }}</td>
+<td><a class="download" href="{{ url('tries', selected.number|string, 'files', f.path) }}" download>download</a></td></tr>{% endfor %}
+</table></section>
+{% endif %}
+<script>
+// Inside Airflow's task-instance page, follow the try picked there (?try_number=N) unless one was chosen here.
+(function () {
+  try {
+    if (window.parent === window) return;
+    var theirs = new URLSearchParams(window.parent.location.search).get("try_number");
+    var mine = new URLSearchParams(window.location.search);
+    if (theirs && !mine.has("chosen") && mine.get("try_number") !== theirs) {
+      mine.set("try_number", theirs);
+      window.location.replace("?" + mine.toString());
+    }
+  } catch (e) { /* not same-origin: nothing to follow */ }
+})();
+</script>
+</body></html>
+""")

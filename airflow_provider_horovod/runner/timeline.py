@@ -1,0 +1,340 @@
+"""Horovod's timeline, read and drawn: lanes over wall time, with the per-operation totals beside them.
+
+Horovod writes a Chrome trace (``HOROVOD_TIMELINE``): one "process" per tensor (``ph: M`` names it),
+``B``/``E`` pairs for each operation on that tensor (``NEGOTIATE_ALLREDUCE``, ``ALLREDUCE``,
+``MPI_ALLREDUCE`` nested inside, ...), and, inside each negotiation, one zero-length ``X`` event per
+rank named by the rank's number (``"0"``, ``"1"``): the moment that rank was ready. Those markers are
+not operations. Here they become what they mean: ticks on the lane, and the time the first-ready
+rank waited for the last one ("waiting for ranks"), which is where a stalled rank shows.
+
+Pure functions, no Airflow: the view (``plugins/``) reads ``timeline.json`` from any store and calls
+:func:`parse` and :func:`render_svg`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import html
+import math
+from collections.abc import Iterable
+from typing import Any
+
+WAITING_FOR_RANKS = "waiting for ranks"
+
+# Operation name (prefix) -> colour; the first match wins.
+_COLOURS = (
+    ("NEGOTIATE", "#b8b8b8"),
+    ("WAIT_FOR", "#f0a04b"),
+    ("QUEUE", "#f0a04b"),
+    ("MEMCPY", "#a47148"),
+    ("ALLOCATE", "#c9a66b"),
+    ("NCCL", "#2f6fb7"),
+    ("MPI_ALLREDUCE", "#2f6fb7"),
+    ("GLOO_ALLREDUCE", "#2f6fb7"),
+    ("ALLREDUCE", "#5b8fd6"),
+    ("ALLGATHER", "#4caf7a"),
+    ("MPI_ALLGATHER", "#2e8b57"),
+    ("BROADCAST", "#9467bd"),
+    ("MPI_BCAST", "#7a4ea6"),
+    ("ALLTOALL", "#d6617a"),
+    ("REDUCESCATTER", "#c45c9a"),
+)
+_OTHER_COLOUR = "#7fb8d4"
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One operation on one tensor, in microseconds from the timeline's start."""
+
+    lane: int
+    name: str
+    start: float
+    end: float
+    depth: int  # 0: the operation itself; 1+: a step nested inside it
+    open: bool = False  # never closed (the run ended inside it)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class OperationTotal:
+    name: str
+    count: int
+    total_ms: float
+    share_of_wall: float
+
+
+@dataclasses.dataclass
+class Timeline:
+    """A parsed timeline. ``lanes``: lane id -> tensor name; times in microseconds."""
+
+    lanes: dict[int, str]
+    spans: list[Span]
+    ready: list[tuple[int, int, float]]  # (lane, rank, time): a rank was ready in a negotiation
+    start: float
+    end: float
+    events: int
+
+    @property
+    def wall_us(self) -> float:
+        return max(self.end - self.start, 0.0)
+
+    def busy_us(self) -> dict[int, float]:
+        """Per lane: the time its operations took (nested steps not counted twice)."""
+        busy: dict[int, float] = {}
+        for s in self.spans:
+            if s.depth == 0:
+                busy[s.lane] = busy.get(s.lane, 0.0) + s.duration
+        return busy
+
+    def busiest_lanes(self) -> list[int]:
+        busy = self.busy_us()
+        return sorted(busy, key=lambda lane: (-busy[lane], lane))
+
+    def rank_wait_us(self) -> tuple[int, float]:
+        """How many negotiations waited for a rank, and for how long in all (first ready -> last ready)."""
+        negotiations: dict[int, list[Span]] = {}
+        for s in self.spans:
+            if s.depth == 0 and s.name.startswith("NEGOTIATE"):
+                negotiations.setdefault(s.lane, []).append(s)
+        starts = {}
+        for lane, spans in negotiations.items():
+            spans.sort(key=lambda s: s.start)
+            starts[lane] = [s.start for s in spans]
+        seen: dict[tuple[int, int], list[float]] = {}
+        for lane, _rank, ts in self.ready:
+            i = bisect.bisect_right(starts.get(lane, []), ts) - 1
+            if i >= 0 and ts <= negotiations[lane][i].end:
+                seen.setdefault((lane, i), []).append(ts)
+        waits = [max(times) - min(times) for times in seen.values() if len(times) > 1]
+        return len(waits), sum(waits)
+
+    def totals(self) -> list[OperationTotal]:
+        """Per operation: count, total time and share of wall time, longest first; then the rank wait."""
+        rows: dict[str, list[float]] = {}
+        for s in self.spans:
+            row = rows.setdefault(s.name, [0, 0.0])
+            row[0] += 1
+            row[1] += s.duration
+        wall = self.wall_us
+        out = [
+            OperationTotal(name, int(n), round(total / 1000, 3), round(total / wall, 4) if wall else 0.0)
+            for name, (n, total) in sorted(rows.items(), key=lambda kv: (-kv[1][1], kv[0]))
+        ]
+        waited, total = self.rank_wait_us()
+        if waited:
+            out.append(OperationTotal(WAITING_FOR_RANKS, waited, round(total / 1000, 3), round(total / wall, 4) if wall else 0.0))
+        return out
+
+
+def parse(events: Iterable[dict[str, Any]]) -> Timeline:
+    """A timeline from Horovod's Chrome-trace events (as :func:`load_timeline` returns them).
+
+    A ``B`` left open by a run that died is closed at the last timestamp and marked ``open``.
+    """
+    lanes: dict[int, str] = {}
+    spans: list[Span] = []
+    ready: list[tuple[int, int, float]] = []
+    stacks: dict[int, list[tuple[str, float]]] = {}
+    stamps: list[float] = []
+    count = 0
+    for e in events:
+        if not isinstance(e, dict):
+            continue
+        count += 1
+        ph, pid = e.get("ph"), _int(e.get("pid"))
+        if ph == "M":
+            if e.get("name") == "process_name" and isinstance(e.get("args"), dict) and "name" in e["args"]:
+                lanes[pid] = str(e["args"]["name"])
+            continue
+        ts = _float(e.get("ts"))
+        if ts is None:
+            continue
+        stamps.append(ts)
+        if ph == "B":
+            stacks.setdefault(pid, []).append((str(e.get("name", "?")), ts))
+        elif ph == "E":
+            if stacks.get(pid):
+                name, start = stacks[pid].pop()
+                spans.append(Span(pid, name, start, ts, len(stacks[pid])))
+        elif ph == "X":
+            name = str(e.get("name", "?"))
+            duration = _float(e.get("dur")) or 0.0
+            if name.isdigit() and duration == 0:  # "rank N is ready" inside a negotiation
+                ready.append((pid, int(name), ts))
+            else:
+                spans.append(Span(pid, name, ts, ts + duration, len(stacks.get(pid, ()))))
+                stamps.append(ts + duration)
+    end = max(stamps) if stamps else 0.0
+    for pid, stack in stacks.items():
+        for depth, (name, start) in enumerate(stack):
+            spans.append(Span(pid, name, start, end, depth, open=True))
+    start = min(stamps) if stamps else 0.0
+    for pid in {s.lane for s in spans} - set(lanes):
+        lanes[pid] = "tensor %d" % pid
+    return Timeline(lanes=lanes, spans=spans, ready=ready, start=start, end=end, events=count)
+
+
+def colour(name: str) -> str:
+    for prefix, value in _COLOURS:
+        if name.startswith(prefix):
+            return value
+    return _OTHER_COLOUR
+
+
+def render_svg(timeline: Timeline, *, max_lanes: int = 14, max_operations: int = 14, title: str = "Horovod timeline") -> str:
+    """An SVG picture: the busiest tensors as lanes over wall time (left), the totals (right).
+
+    Spans narrower than a pixel are merged per lane and colour, so the picture stays small for
+    timelines of any length.
+    """
+    label_w, plot_w, gap, totals_w = 170, 520, 24, 400
+    lane_h, top, axis_h = 22, 58, 34
+    width = label_w + plot_w + gap + totals_w + 10
+    order = timeline.busiest_lanes()
+    shown = order[:max_lanes]
+    totals = timeline.totals()[:max_operations]
+    plot_h = lane_h * max(len(shown), 1)
+    totals_h = 22 + 18 * max(len(totals), 1)
+    height = top + max(plot_h + axis_h, totals_h) + 40
+    wall = timeline.wall_us
+    x0 = label_w
+
+    def x(t: float) -> float:
+        return x0 + (plot_w * (t - timeline.start) / wall if wall else 0.0)
+
+    out = [
+        '<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" '
+        'font-family="sans-serif" font-size="12" role="img">' % (width, height, width, height),
+        "<title>%s</title>" % html.escape(title),
+        '<rect width="100%" height="100%" fill="white"/>',
+        '<text x="10" y="22" font-size="15" font-weight="bold">%s</text>' % html.escape(title),
+        '<text x="10" y="42" fill="#444">wall time %s, %d tensors, %d events; lanes: the %d busiest tensors over time</text>'
+        % (_fmt_us(wall), len(timeline.lanes), timeline.events, len(shown)),
+    ]
+    if not shown:
+        out.append('<text x="10" y="%d">No operations were recorded in this timeline.</text>' % (top + 16))
+    for row, lane in enumerate(shown):
+        y = top + row * lane_h
+        if row % 2:
+            out.append('<rect x="%d" y="%d" width="%d" height="%d" fill="#f5f7fa"/>' % (x0, y, plot_w, lane_h))
+        name = timeline.lanes.get(lane, str(lane))
+        out.append(_label(x0 - 8, y + 15, name, 25, 'text-anchor="end"'))
+        for depth, cname, a, b, what in _merged(timeline, lane, x):
+            inset = 3 + 4 * min(depth, 2)
+            out.append('<rect x="%.1f" y="%d" width="%.1f" height="%d" fill="%s"><title>%s</title></rect>'
+                       % (a, y + inset, max(b - a, 0.8), max(lane_h - 2 * inset, 3), cname, html.escape(what)))
+        for _lane, rank, ts in (r for r in timeline.ready if r[0] == lane):
+            out.append('<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="#222" stroke-width="1">'
+                       '<title>rank %d ready at %s</title></line>' % (x(ts), x(ts), y + 1, y + lane_h - 1, rank, _fmt_us(ts - timeline.start)))
+    axis_y = top + plot_h
+    out.append('<line x1="%d" x2="%d" y1="%d" y2="%d" stroke="#333"/>' % (x0, x0 + plot_w, axis_y, axis_y))
+    for t in _ticks(wall):
+        tx = x0 + (plot_w * t / wall if wall else 0)
+        out.append('<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="#333"/>' % (tx, tx, axis_y, axis_y + 5))
+        out.append('<text x="%.1f" y="%d" text-anchor="middle" fill="#333">%s</text>' % (tx, axis_y + 18, _fmt_us(t)))
+    out.append('<text x="%d" y="%d" text-anchor="middle" fill="#444">time since the first event</text>'
+               % (x0 + plot_w // 2, axis_y + 32))
+    if len(order) > len(shown):
+        busy = timeline.busy_us()
+        rest = sum(busy[lane] for lane in order[len(shown):])
+        out.append('<text x="%d" y="%d" fill="#666">+ %d more tensors (%s busy) not drawn</text>'
+                   % (10, axis_y + 32, len(order) - len(shown), _fmt_us(rest)))
+    # the totals, beside the lanes
+    tx = x0 + plot_w + gap
+    out.append('<text x="%d" y="%d" font-weight="bold">Time per operation</text>' % (tx, top - 18))
+    out.append('<text x="%d" y="%d" fill="#666" font-size="11">summed over tensors; share of the %s wall time</text>'
+               % (tx, top - 4, _fmt_us(wall)))
+    longest = max((r.total_ms for r in totals), default=0.0) or 1.0
+    for i, r in enumerate(totals):
+        y = top + 8 + i * 18
+        bar = 110 * r.total_ms / longest
+        fill = "#d62728" if r.name == WAITING_FOR_RANKS else colour(r.name)
+        out.append(_label(tx, y + 12, r.name, 22))
+        out.append('<rect x="%d" y="%d" width="%.1f" height="12" fill="%s"/>' % (tx + 170, y + 2, max(bar, 1), fill))
+        out.append('<text x="%d" y="%d" fill="#333">%s, %d\u00d7%s</text>'
+                   % (tx + 170 + 116, y + 12, _fmt_us(r.total_ms * 1000), r.count,
+                      ", %.0f%%" % (100 * r.share_of_wall) if r.share_of_wall <= 1 else ""))
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _label(x: float, y: float, text: str, n: int, attrs: str = "") -> str:
+    """A text label, shortened to ``n`` characters; the whole text as its tooltip when shortened."""
+    short = _shorten(text, n)
+    label = '<text x="%d" y="%d" %s>%s</text>' % (x, y, attrs, html.escape(short))
+    return label if short == text else "<g><title>%s</title>%s</g>" % (html.escape(text), label)
+
+
+def _merged(timeline: Timeline, lane: int, x) -> list[tuple[int, str, float, float, str]]:
+    """The lane's spans as pixel intervals, merged where they touch, per depth and colour."""
+    groups: dict[tuple[int, str], list[Span]] = {}
+    for s in timeline.spans:
+        if s.lane == lane:
+            groups.setdefault((min(s.depth, 2), colour(s.name)), []).append(s)
+    out = []
+    for (depth, cname), spans in sorted(groups.items()):
+        spans.sort(key=lambda s: s.start)
+        current: list[Any] | None = None
+        for s in spans:
+            a, b = x(s.start), x(s.end)
+            if current is not None and a <= current[1] + 0.5:
+                current[1] = max(current[1], b)
+                current[2].append(s)
+                continue
+            if current is not None:
+                out.append((depth, cname, current[0], current[1], _describe(current[2])))
+            current = [a, b, [s]]
+        if current is not None:
+            out.append((depth, cname, current[0], current[1], _describe(current[2])))
+    return out
+
+
+def _describe(spans: list[Span]) -> str:
+    if len(spans) == 1:
+        s = spans[0]
+        return "%s: %s%s" % (s.name, _fmt_us(s.duration), " (never finished)" if s.open else "")
+    names = sorted({s.name for s in spans})
+    return "%d spans (%s): %s in all" % (len(spans), ", ".join(names[:3]), _fmt_us(sum(s.duration for s in spans)))
+
+
+def _ticks(wall_us: float) -> list[float]:
+    if wall_us <= 0:
+        return [0.0]
+    raw = wall_us / 6
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    return [i * step for i in range(int(wall_us // step) + 1)]
+
+
+def _fmt_us(us: float) -> str:
+    if us >= 1_000_000:
+        return "%.3g s" % (us / 1_000_000)
+    if us >= 1000:
+        return "%.3g ms" % (us / 1000)
+    return "%.0f \u00b5s" % us
+
+
+def _shorten(text: str, n: int) -> str:
+    """At most ``n`` characters; the middle gives way, so ``...buffer.1`` and ``...buffer.2`` stay apart."""
+    if len(text) <= n:
+        return text
+    head = (n - 1) // 2
+    return text[:head] + "\u2026" + text[len(text) - (n - 1 - head):]
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return -1
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None

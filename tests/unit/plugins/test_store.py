@@ -1,0 +1,97 @@
+"""What the Horovod view may read: only files a try's marker lists, inside that try's folder."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from airflow_provider_horovod.plugins.store import BadRequest, NotFound, TaskArtifacts
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIRFLOW__HOROVOD__ARTIFACT_ROOT", "file://%s" % (tmp_path / "store"))
+    monkeypatch.delenv("AIRFLOW__HOROVOD__VIEW_EXTRA_ROOTS", raising=False)
+    return tmp_path / "store"
+
+
+def commit(folder, files: dict[str, bytes], **marker) -> None:
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    (folder / "_ARTIFACTS.json").write_text(json.dumps({"status": "success", "stored_files": sorted(files), **marker}))
+
+
+def test_tries_are_read_from_the_layout_the_hook_writes(root):
+    task = root / "dag" / "run+1:00" / "train"
+    commit(task / "try-1", {"checkpoints/model.pt": b"x" * 10}, status="failed")
+    commit(task / "try-2", {"timeline.json": b"[]"})
+    (task / "try-3").mkdir()  # running: no marker yet
+    tries = TaskArtifacts.find("dag", "run+1:00", "train").tries()
+    assert [(t.number, t.status, t.committed) for t in tries] == [
+        (1, "failed", True), (2, "success", True), (3, "running or never committed", False)]
+    assert [(f.path, f.size) for f in tries[0].files()] == [("checkpoints/model.pt", 10)]
+    assert tries[1].timeline_events() == []
+
+
+def test_a_mapped_task_instance_has_its_own_folder(root):
+    commit(root / "dag" / "run" / "train" / "map-3" / "try-1", {"a.txt": b"a"})
+    assert [t.number for t in TaskArtifacts.find("dag", "run", "train", map_index=3).tries()] == [1]
+    assert TaskArtifacts.find("dag", "run", "train").tries() == []
+
+
+@pytest.mark.parametrize("bad", ["..", ".", "", "a/b", "a\\b", "a\x00b"])
+def test_ids_must_be_one_path_component(root, bad):
+    with pytest.raises(BadRequest):
+        TaskArtifacts.find("dag", bad, "train")
+
+
+def test_only_listed_files_are_served(root):
+    folder = root / "dag" / "run" / "train" / "try-1"
+    commit(folder, {"checkpoints/model.pt": b"m"})
+    (folder / "unlisted.bin").write_bytes(b"u")
+    chosen = TaskArtifacts.find("dag", "run", "train").get(1)
+    assert chosen.file("checkpoints/model.pt").read_bytes() == b"m"
+    for rel in ("unlisted.bin", "_ARTIFACTS.json", "../try-1/checkpoints/model.pt", "/etc/passwd", "checkpoints"):
+        with pytest.raises(NotFound):
+            chosen.file(rel)
+
+
+def test_a_marker_cannot_list_its_way_out(root, tmp_path):
+    (tmp_path / "secret.txt").write_text("secret")
+    folder = root / "dag" / "run" / "train" / "try-1"
+    folder.mkdir(parents=True)
+    (folder / "_ARTIFACTS.json").write_text(json.dumps({"stored_files": ["../../../../../secret.txt", "/etc/passwd", "a/./b"]}))
+    chosen = TaskArtifacts.find("dag", "run", "train").get(1)
+    assert chosen.listed() == [] and chosen.files() == []
+
+
+def test_symlinks_are_refused_for_files_tries_and_tasks(root, tmp_path):
+    (tmp_path / "secret.txt").write_text("secret")
+    task = root / "dag" / "run" / "train"
+    commit(task / "try-1", {"ok.txt": b"ok"})
+    os.symlink(tmp_path / "secret.txt", task / "try-1" / "model.pt")
+    marker = json.loads((task / "try-1" / "_ARTIFACTS.json").read_text())
+    (task / "try-1" / "_ARTIFACTS.json").write_text(json.dumps({**marker, "stored_files": ["model.pt", "ok.txt"]}))
+    elsewhere = tmp_path / "elsewhere"
+    commit(elsewhere, {"model.pt": b"secret"})
+    os.symlink(elsewhere, task / "try-2")
+    os.symlink(task, root / "dag" / "run" / "linked")
+
+    tries = TaskArtifacts.find("dag", "run", "train").tries()
+    assert [t.number for t in tries] == [1]
+    assert [f.path for f in tries[0].files()] == ["ok.txt"]
+    with pytest.raises(NotFound):
+        tries[0].file("model.pt")
+    with pytest.raises(NotFound):
+        TaskArtifacts.find("dag", "run", "train").get(2)
+    assert TaskArtifacts.find("dag", "run", "linked").folder is None
+
+
+def test_a_task_that_stored_nothing_has_no_tries(root):
+    artifacts = TaskArtifacts.find("dag", "run", "nothing")
+    assert artifacts.folder is None and artifacts.tries() == []
+    with pytest.raises(NotFound):
+        artifacts.get(1)

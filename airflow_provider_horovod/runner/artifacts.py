@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import errno
 import hmac
-import html
 import json
 import os
 import queue
@@ -38,6 +37,7 @@ from typing import Any
 
 from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.runner import names
+from airflow_provider_horovod.runner import timeline as hvd_timeline
 
 MARKER = "_ARTIFACTS.json"
 CHUNK = 4 << 20
@@ -491,59 +491,15 @@ def repair_timeline(path: Path) -> list[dict[str, Any]]:
     return events
 
 
-def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per operation or activity name: count, total time and share of the timeline's wall time."""
-    stacks: dict[Any, list[tuple[str, float]]] = {}
-    totals: dict[str, dict[str, float]] = {}
-    stamps = [float(e["ts"]) for e in events if "ts" in e]
-    for e in events:
-        ph, ts = e.get("ph"), e.get("ts")
-        if ts is None:
-            continue
-        key = (e.get("pid"), e.get("tid"))
-        if ph == "B":
-            stacks.setdefault(key, []).append((e.get("name", "?"), float(ts)))
-        elif ph == "E" and stacks.get(key):
-            name, start = stacks[key].pop()
-            row = totals.setdefault(name, {"count": 0, "total_us": 0.0})
-            row["count"] += 1
-            row["total_us"] += float(ts) - start
-        elif ph == "X":
-            row = totals.setdefault(e.get("name", "?"), {"count": 0, "total_us": 0.0})
-            row["count"] += 1
-            row["total_us"] += float(e.get("dur", 0))
-    wall = (max(stamps) - min(stamps)) if stamps else 0.0
-    ops = {
-        name: {"count": int(r["count"]), "total_ms": round(r["total_us"] / 1000, 3),
-               "share_of_wall": round(r["total_us"] / wall, 4) if wall else 0.0}
-        for name, r in sorted(totals.items(), key=lambda kv: -kv[1]["total_us"])
+def summarize(timeline: hvd_timeline.Timeline) -> dict[str, Any]:
+    """Per operation: count, total time and share of the timeline's wall time, longest first, then
+    the time ranks waited for each other in negotiations (``waiting for ranks``)."""
+    return {
+        "wall_ms": round(timeline.wall_us / 1000, 3),
+        "events": timeline.events,
+        "operations": {t.name: {"count": t.count, "total_ms": t.total_ms, "share_of_wall": t.share_of_wall}
+                       for t in timeline.totals()},
     }
-    return {"wall_ms": round(wall / 1000, 3), "events": len(events), "operations": ops}
-
-
-def render_svg(summary: dict[str, Any], path: Path, top: int = 15) -> None:
-    """A bar chart of the summary's total time per operation, readable in any browser."""
-    rows = list(summary["operations"].items())[:top]
-    width, bar_x, bar_w, row_h = 760, 260, 380, 24
-    height = 60 + row_h * max(len(rows), 1)
-    longest = max((r["total_ms"] for _, r in rows), default=0) or 1
-    parts = [
-        '<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">' % (width, height),
-        '<rect width="100%" height="100%" fill="white"/>',
-        '<text x="10" y="22" font-size="15">Horovod timeline: time per operation (wall %.1f ms, %d events)</text>'
-        % (summary["wall_ms"], summary["events"]),
-    ]
-    for i, (name, r) in enumerate(rows):
-        y = 40 + i * row_h
-        w = max(1, int(bar_w * r["total_ms"] / longest))
-        parts.append('<text x="10" y="%d">%s</text>' % (y + 15, html.escape(name[:36])))
-        parts.append('<rect x="%d" y="%d" width="%d" height="%d" fill="#4878d0"/>' % (bar_x, y + 3, w, row_h - 6))
-        parts.append('<text x="%d" y="%d">%.1f ms, %d x, %.0f%%</text>'
-                     % (bar_x + w + 6, y + 15, r["total_ms"], r["count"], 100 * r["share_of_wall"]))
-    if not rows:
-        parts.append('<text x="10" y="55">No timeline events were recorded.</text>')
-    parts.append("</svg>")
-    path.write_text("\n".join(parts))
 
 
 # -- commit ---------------------------------------------------------------------------------------
@@ -559,10 +515,9 @@ def commit(artifact_dir: Path, staging: Path, *, status: str, complete: bool, ru
     if complete:
         timeline = staging / TIMELINE
         if timeline.exists():
-            events = repair_timeline(timeline)
-            summary = summarize(events)
-            (staging / SUMMARY).write_text(json.dumps(summary, indent=2))
-            render_svg(summary, staging / PICTURE)
+            parsed = hvd_timeline.parse(repair_timeline(timeline))
+            (staging / SUMMARY).write_text(json.dumps(summarize(parsed), indent=2))
+            (staging / PICTURE).write_text(hvd_timeline.render_svg(parsed))
             info.update(timeline=TIMELINE, timeline_summary=SUMMARY, timeline_picture=PICTURE)
         if (staging / CHECKPOINTS).is_dir() and any((staging / CHECKPOINTS).iterdir()):
             info["checkpoint"] = CHECKPOINTS

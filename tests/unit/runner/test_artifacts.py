@@ -19,6 +19,7 @@ from airflow_provider_horovod.runner.artifacts import (
     summarize,
     verify_offer,
 )
+from airflow_provider_horovod.runner.timeline import parse
 
 HOROVOD_STYLE = (
     '[\n{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "grad.0"}},\n'
@@ -42,11 +43,16 @@ def test_timeline_cut_mid_event_keeps_every_whole_event(tmp_path):
     assert len(events) == 5 and events[-1] == {"ph": "E", "ts": 350, "pid": 1}
 
 
-def test_summary_counts_time_per_operation_and_share_of_wall():
-    summary = summarize(json.loads(HOROVOD_STYLE.rstrip().rstrip(",") + "]"))
+def test_summary_counts_time_per_operation_and_share_of_wall_and_no_rank_marker_is_an_operation():
+    ready = '{"ph": "X", "name": "0", "ts": 110, "dur": 0, "pid": 1},\n{"ph": "X", "name": "1", "ts": 140, "dur": 0, "pid": 1},\n'
+    events = json.loads((HOROVOD_STYLE[:HOROVOD_STYLE.index('{"ph": "E", "ts": 150')] + ready
+                         + HOROVOD_STYLE[HOROVOD_STYLE.index('{"ph": "E", "ts": 150'):]).rstrip().rstrip(",") + "]")
+    summary = summarize(parse(events))
     assert summary["wall_ms"] == 0.25
     assert summary["operations"]["ALLREDUCE"] == {"count": 1, "total_ms": 0.2, "share_of_wall": 0.8}
     assert summary["operations"]["NEGOTIATE_ALLREDUCE"]["count"] == 1
+    assert summary["operations"]["waiting for ranks"] == {"count": 1, "total_ms": 0.03, "share_of_wall": 0.12}
+    assert set(summary["operations"]) == {"ALLREDUCE", "NEGOTIATE_ALLREDUCE", "waiting for ranks"}  # no "0", no "1"
 
 
 def test_commit_repairs_the_timeline_and_writes_the_marker_last(tmp_path):
@@ -57,7 +63,8 @@ def test_commit_repairs_the_timeline_and_writes_the_marker_last(tmp_path):
     info = commit(tmp_path / "out", staging, status="failed", complete=True, run_id="x", received=[])
     assert info["checkpoint"] == "checkpoints" and info["timeline"] == "timeline.json"
     assert len(json.loads((tmp_path / "out" / "timeline.json").read_text())) == 5
-    assert (tmp_path / "out" / "timeline.svg").read_text().startswith("<svg")
+    svg = (tmp_path / "out" / "timeline.svg").read_text()
+    assert svg.startswith("<svg") and "grad.0" in svg and "ALLREDUCE" in svg  # the lanes-over-time picture
     assert not staging.exists()
     assert read_marker(tmp_path / "out")["status"] == "failed"
 

@@ -94,6 +94,11 @@ class StandaloneCluster:
             time.sleep(0.5)
         raise RuntimeError("standalone cluster did not come up; see logs in %s" % self.workdir)
 
+    def applications(self) -> list[dict]:
+        """The master's view of every application, running and completed (``name``, ``starttime``, ``duration`` in ms)."""
+        state = json.load(urllib.request.urlopen("http://127.0.0.1:%d/json/" % self.ui_port, timeout=5))
+        return [*state.get("activeapps", []), *state.get("completedapps", [])]
+
     def app_conf(self) -> dict[str, str]:
         return {
             "spark.executor.cores": "1",

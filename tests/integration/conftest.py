@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from tests.integration.cluster import StandaloneCluster
 from tests.integration.deployment import REPO, Deployment
 
 # Besides the admin, a user the auth manager lets read no DAG (no role): the Horovod view's 403 test.
@@ -15,9 +16,22 @@ DEPLOYMENT_ENV = {"AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,%s:" 
 DEPLOYMENT_DAGS = [*sorted((REPO / "dags").glob("*.py")), *sorted((REPO / "tests/integration/deployment_dags").glob("*.py"))]
 
 
+# The connection of the DAGs that share one Spark standalone cluster (4 one-core workers; each task's
+# application may take 2 cores, so two Horovod jobs run at once and the next ones wait for slots).
+SHARED_SPARK_CONN_ID = "spark_shared"
+
+
 @pytest.fixture(scope="session")
 def airflow_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     """PostgreSQL + API server + scheduler + DAG processor + triggerer (LocalExecutor), with the
-    example DAGs and ``tests/integration/deployment_dags/``; torn down at the end of the session."""
-    with Deployment.start(tmp_path_factory.mktemp("deployment"), DEPLOYMENT_DAGS, DEPLOYMENT_ENV) as deployment:
-        yield deployment
+    example DAGs and ``tests/integration/deployment_dags/``, and a Spark standalone cluster behind the
+    ``spark_shared`` connection; torn down at the end of the session."""
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("deployment-spark"), workers=4).start()
+    try:
+        shared = {"conn_type": "spark", "host": cluster.master, "extra": {**cluster.app_conf(), "spark.cores.max": "2"}}
+        env = {**DEPLOYMENT_ENV, "AIRFLOW_CONN_%s" % SHARED_SPARK_CONN_ID.upper(): json.dumps(shared)}
+        with Deployment.start(tmp_path_factory.mktemp("deployment"), DEPLOYMENT_DAGS, env) as deployment:
+            deployment.shared_spark = cluster
+            yield deployment
+    finally:
+        cluster.stop()

@@ -341,6 +341,7 @@ class Deployment:
         self.base_url = "http://127.0.0.1:%d" % self.api_port
         self.procs: dict[str, subprocess.Popen] = {}
         self._api: Api | None = None
+        self.shared_spark: Any = None  # a StandaloneCluster behind a connection, when the fixture starts one
         self.env = {
             **os.environ,
             "AIRFLOW_HOME": str(self.home),

@@ -179,7 +179,7 @@ def test_mark_failed_and_execution_timeout_store_rank_0s_checkpoint_as_cancelled
     assert marker(timed_out)["status"] == "cancelled"
     assert (timed_out / "checkpoints" / "step.txt").read_text() == "7"
     log = api.log(dag_id, run_id, "until_timeout", 1)
-    assert "Timeout" in log and "Horovod summary: cancelled" in log
+    assert "Process timed out" in log and "Horovod summary: cancelled" in log
     assert "Resuming from checkpoint file://%s" % (timed_out / "checkpoints") in api.log(dag_id, run_id, "until_timeout", 2)
     assert wait_gone(dag_id) == []
 
@@ -224,7 +224,7 @@ def _ctx(proc: psutil.Process) -> tuple[str | None, str | None, str | None]:
     return env.get("AIRFLOW_CTX_DAG_ID"), env.get("AIRFLOW_CTX_TASK_ID"), env.get("AIRFLOW_CTX_TRY_NUMBER")
 
 
-def test_two_runs_at_once_and_a_mapped_task_keep_their_artifacts_apart(airflow_deployment: Deployment):
+def test_two_runs_at_once_and_a_mapped_task_on_one_spark_cluster_keep_their_artifacts_apart(airflow_deployment: Deployment):
     api = airflow_deployment.api
     dag_id = "hvd_deploy_many"
     runs = [api.trigger(dag_id), api.trigger(dag_id)]
@@ -241,3 +241,8 @@ def test_two_runs_at_once_and_a_mapped_task_keep_their_artifacts_apart(airflow_d
             folders.add(folder)
     assert len(folders) == 4
     assert wait_gone(dag_id) == []
+    # all four ran as applications of the one shared cluster, two of them at the same time
+    apps = [a for a in airflow_deployment.shared_spark.applications() if a["name"] == "%s.fit" % dag_id]
+    assert len(apps) == 4, apps
+    spans = sorted((a["starttime"], a["starttime"] + a["duration"]) for a in apps)
+    assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])), spans

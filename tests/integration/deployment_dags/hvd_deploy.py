@@ -95,9 +95,10 @@ def hvd_deploy_crash():
 
 @dag(schedule=None, start_date=START, catchup=False, max_active_runs=2, tags=["hvd-deployment-test"])
 def hvd_deploy_many():
-    """Mapped over learning rates; the test triggers two runs at once."""
+    """Mapped over learning rates; the test triggers two runs at once. All four tasks share one Spark
+    standalone cluster (the ``spark_shared`` connection of the deployment fixture)."""
 
-    @task.horovod(np=2, launcher="gloo")
+    @task.horovod(np=2, launcher="gloo", spark_conn_id="spark_shared")
     def fit(lr: float, tag: str):
         import horovod.torch as hvd
 

@@ -315,6 +315,18 @@ class Api:
             time.sleep(1)
 
 
+def task_env(artifacts: Path) -> dict[str, str]:
+    """What an Airflow process running Horovod tasks needs here: the artifact root, Spark on
+    127.0.0.1, and this virtual environment's Python for the driver, the executors and the ranks."""
+    return {
+        "AIRFLOW__HOROVOD__ARTIFACT_ROOT": "file://%s" % artifacts,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "PATH": "%s:%s" % (Path(sys.executable).parent, os.environ.get("PATH", "")),
+    }
+
+
 class Deployment:
     """Airflow's API server, scheduler, DAG processor and triggerer on a throwaway PostgreSQL.
 
@@ -366,11 +378,7 @@ class Deployment:
             "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_SEC": "2",
             "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1",
-            "AIRFLOW__HOROVOD__ARTIFACT_ROOT": "file://%s" % self.artifacts,
-            "SPARK_LOCAL_IP": "127.0.0.1",
-            "PYSPARK_PYTHON": sys.executable,
-            "PYSPARK_DRIVER_PYTHON": sys.executable,
-            "PATH": "%s:%s" % (Path(sys.executable).parent, os.environ.get("PATH", "")),
+            **task_env(self.artifacts),
             **(env or {}),
         }
         self.env.pop("AIRFLOW_CONN_SPARK_DEFAULT", None)  # the tasks fall back to an embedded local[2] Spark

@@ -30,6 +30,7 @@ import psutil
 import pytest
 
 from tests.conftest import wait_no_run_processes
+from tests.integration.deployment import task_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
 
@@ -57,11 +58,7 @@ class AirflowHome:
             "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-            "AIRFLOW__HOROVOD__ARTIFACT_ROOT": "file://%s" % self.artifacts,
-            "SPARK_LOCAL_IP": "127.0.0.1",
-            "PYSPARK_PYTHON": sys.executable,
-            "PYSPARK_DRIVER_PYTHON": sys.executable,
-            "PATH": "%s:%s" % (Path(sys.executable).parent, os.environ.get("PATH", "")),
+            **task_env(self.artifacts),
             # spark_default is left undefined on purpose: the tasks fall back to embedded local[2].
         }
         self.env.pop("AIRFLOW_CONN_SPARK_DEFAULT", None)

@@ -263,15 +263,18 @@ def _save(driver, tmp_path: Path, name: str) -> Path:
 
 @pytest.mark.parametrize("task_id", ["trained", "fails"])
 def test_in_the_browser_the_horovod_timeline_link_opens_the_view(browser, view_run, task_id, tmp_path):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    wait = WebDriverWait(browser, BROWSER_WAIT_S)
+    # The UI is a React app that re-renders while its data arrives: an element found a moment ago
+    # may be replaced before it is read or clicked, so each wait retries on a stale element.
+    wait = WebDriverWait(browser, BROWSER_WAIT_S, ignored_exceptions=(StaleElementReferenceException,))
     run = quote(view_run.run_id, safe="")
     browser.get("%s/dags/%s/runs/%s/tasks/%s/details" % (view_run.deployment.base_url, DAG, run, task_id))
-    link = wait.until(lambda d: [a for a in d.find_elements(By.TAG_NAME, "a") if a.text.strip() == "Horovod timeline"])[0]
-    assert not [a for a in browser.find_elements(By.TAG_NAME, "a") if a.text.strip() == "Spark UI"]  # absent, not dead
-    link.click()
+    wait.until(lambda d: d.find_elements(By.XPATH, "//a[normalize-space()='Horovod timeline']"))
+    assert browser.find_elements(By.XPATH, "//a[normalize-space()='Spark UI']") == []  # absent, not dead
+    wait.until(lambda d: d.find_element(By.XPATH, "//a[normalize-space()='Horovod timeline']").click() or True)
     wait.until(lambda d: d.current_url.endswith("/tasks/%s/plugin/horovod" % task_id))
     frame = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "iframe[title=Horovod]"))[0]
     browser.switch_to.frame(frame)

@@ -263,13 +263,14 @@ def _save(driver, tmp_path: Path, name: str) -> Path:
 
 @pytest.mark.parametrize("task_id", ["trained", "fails"])
 def test_in_the_browser_the_horovod_timeline_link_opens_the_view(browser, view_run, task_id, tmp_path):
-    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.common.exceptions import ElementClickInterceptedException, StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     # The UI is a React app that re-renders while its data arrives: an element found a moment ago
-    # may be replaced before it is read or clicked, so each wait retries on a stale element.
-    wait = WebDriverWait(browser, BROWSER_WAIT_S, ignored_exceptions=(StaleElementReferenceException,))
+    # may be replaced (or covered) before it is read or clicked, so each wait retries then.
+    wait = WebDriverWait(browser, BROWSER_WAIT_S,
+                         ignored_exceptions=(StaleElementReferenceException, ElementClickInterceptedException))
     run = quote(view_run.run_id, safe="")
     browser.get("%s/dags/%s/runs/%s/tasks/%s/details" % (view_run.deployment.base_url, DAG, run, task_id))
     wait.until(lambda d: d.find_elements(By.XPATH, "//a[normalize-space()='Horovod timeline']"))

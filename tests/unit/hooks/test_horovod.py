@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -168,7 +170,10 @@ def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_chec
     found = hook.latest_checkpoint(try3, 3)
     assert str(found) == str(try1 / "checkpoints")
     local_copy = hook.download(found)
-    assert (tmp_path / local_copy / "epoch-1.pt").read_bytes() == b"one"
+    try:
+        assert (Path(local_copy) / "epoch-1.pt").read_bytes() == b"one"
+    finally:
+        shutil.rmtree(local_copy)
     with pytest.raises(ArtifactError, match="never committed"):
         hook.checkpoint_at(str(try2 / "checkpoints"))
     assert str(hook.checkpoint_at(str(try1))) == str(try1 / "checkpoints")

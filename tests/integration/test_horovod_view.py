@@ -8,6 +8,7 @@ auth manager gives no DAG access, or no credentials at all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import xml.etree.ElementTree as ET
@@ -247,8 +248,25 @@ def browser(view_run, tmp_path_factory):
         yield driver
     finally:
         driver.quit()
-        left = [pid for pid in family if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-        assert not left, "chromium processes left behind: %s" % left
+        assert _still_running(family, within_s=10) == [], "chromium processes left behind"
+
+
+def _still_running(pids: list[int], within_s: float) -> list[int]:
+    """Those of ``pids`` that have not ended (zombies count as ended) ``within_s`` seconds from now:
+    Chromium's helpers exit on their own once the browser has gone, a moment after ``quit()``."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=within_s)
+    left = []
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(proc.pid)
+    return left
 
 
 def _save(driver, tmp_path: Path, name: str) -> Path:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import Asset, BaseOperator
 
 from airflow_provider_horovod.hooks.horovod import CHECKPOINTS, HorovodRunnerHook
-from airflow_provider_horovod.runner.artifacts import TIMELINE
+from airflow_provider_horovod.runner.artifacts import TIMELINE, Limits
+from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, check_options
 from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
 
 if TYPE_CHECKING:
@@ -64,6 +65,12 @@ class HorovodRunnerOperator(BaseOperator):
     :param resume: ``"auto"`` (default): on a retry, resume from the newest committed checkpoint
         of this task instance's earlier tries; ``"never"``; or the URI of a checkpoint (a try
         folder or a checkpoints folder). (templated)
+    :param start_timeout: seconds to wait for enough free barrier slots and for every barrier task
+        to start (120 by default). On a cluster shared with other jobs, a task that finds the slots
+        taken waits this long before it fails with ``InsufficientSlotsError``.
+    :param max_artifact_bytes: the most rank 0's artifacts may hold (1 TiB by default); more fails
+        the try with ``ArtifactError`` rather than fill the Airflow worker's disk.
+    :param max_artifact_files: the most files rank 0's artifacts may hold (100 000 by default).
     """
 
     template_fields: Sequence[str] = (
@@ -95,9 +102,15 @@ class HorovodRunnerOperator(BaseOperator):
         spark_conf: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         resume: str = RESUME_AUTO,
+        start_timeout: float = DEFAULT_START_TIMEOUT_S,
+        max_artifact_bytes: int = Limits.max_bytes,
+        max_artifact_files: int = Limits.max_files,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        # not templated: checked when the DAG is parsed, as the engine would check them
+        check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
+                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files)
         self.training_callable = training_callable
         self.np = np
         self.op_args = op_args or []
@@ -110,6 +123,9 @@ class HorovodRunnerOperator(BaseOperator):
         self.spark_conf = spark_conf or {}
         self.env = env or {}
         self.resume = resume
+        self.start_timeout = start_timeout
+        self.max_artifact_bytes = max_artifact_bytes
+        self.max_artifact_files = max_artifact_files
         self._runner: Any = None
 
     @cached_property
@@ -177,6 +193,8 @@ class HorovodRunnerOperator(BaseOperator):
                 self.training_callable, np=np, op_args=list(self.op_args), op_kwargs=dict(self.op_kwargs),
                 launcher=self.launcher, driver_log_verbosity=self.driver_log_verbosity, env=dict(self.env),
                 timeline=self.timeline, artifact_dir=local_dir, resume_from=resume_from,
+                start_timeout=self.start_timeout, max_artifact_bytes=self.max_artifact_bytes,
+                max_artifact_files=self.max_artifact_files,
             )
             return result, last_run, None
         except (HorovodRunError, ArtifactError) as err:  # store what the failed try left, then re-raise

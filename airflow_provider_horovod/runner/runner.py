@@ -27,6 +27,7 @@ from airflow_provider_horovod.runner.barrier import TaskFailure, check_facts, pa
 from airflow_provider_horovod.runner.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport
 from airflow_provider_horovod.runner.host import RunSpec
+from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, check_options
 from airflow_provider_horovod.runner.payload import build_payload, describe
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
 from airflow_provider_horovod.runner.supervisor import (
@@ -43,8 +44,6 @@ from airflow_provider_horovod.runner.supervisor import (
 
 log = logging.getLogger(__name__)
 
-LAUNCHERS = ("mpirun", "gloo")
-VERBOSITIES = ("all", "log_callback_only")
 RESULT_SCHEMA = "partition int, kind string, seq int, data binary"
 
 
@@ -106,7 +105,7 @@ class HorovodRunner:
         driver_log_verbosity: str = "all",
         spark: Any = None,
         env: dict[str, str] | None = None,
-        start_timeout: float = 120.0,
+        start_timeout: float = DEFAULT_START_TIMEOUT_S,
         timeline: bool = False,
         artifact_dir: str | os.PathLike[str] | None = None,
         resume_from: str | os.PathLike[str] | None = None,
@@ -117,19 +116,14 @@ class HorovodRunner:
             raise ValueError("np must be a non-zero int (np > 0: barrier tasks, np < 0: local processes); got %r" % (np,))
         if np == 0:
             raise ValueError("np must be non-zero: np > 0 runs np barrier tasks, np < 0 runs -np processes on the driver")
-        if launcher not in LAUNCHERS:
-            raise ValueError("launcher must be one of %s; got %r" % (", ".join(LAUNCHERS), launcher))
-        if driver_log_verbosity not in VERBOSITIES:
-            raise ValueError("driver_log_verbosity must be one of %s; got %r" % (", ".join(VERBOSITIES), driver_log_verbosity))
+        check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
+                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files)
         env = dict(env or {})
         bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
             raise ValueError("env must map str to str; fix %s" % ", ".join(map(repr, bad)))
         if resume_from is not None and not Path(resume_from).is_dir():
             raise ValueError("resume_from must be an existing folder; %s is not" % (resume_from,))
-        for name, value in (("max_artifact_bytes", max_artifact_bytes), ("max_artifact_files", max_artifact_files)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError("%s must be a positive int; got %r" % (name, value))
         self.artifact_limits = Limits(max_bytes=max_artifact_bytes, max_files=max_artifact_files)
         self.np = np
         self.launcher = launcher
@@ -412,8 +406,9 @@ class HorovodRunner:
             if time.monotonic() > deadline or self._cancelled.is_set():
                 raise InsufficientSlotsError(
                     "np=%d needs %d barrier slots, but the cluster has %d (executor cores / "
-                    "spark.task.cpus, and GPUs per task where set). Lower np or add executors."
-                    % (self.np, self.np, self._slots, )
+                    "spark.task.cpus, and GPUs per task where set) after waiting start_timeout=%gs. "
+                    "Lower np, add executors, or raise start_timeout when other jobs hold the slots."
+                    % (self.np, self.np, self._slots, self.start_timeout)
                 )
             time.sleep(0.5)
             self._slots = self._available_slots(spark) or 0

@@ -273,6 +273,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_start_timeout_and_artifact_limits_set_on_the_operator_reach_the_engine(airflow):
+    proc = airflow.dags_test("hvd_test_limits")
+    output = proc.stdout + proc.stderr
+    states = airflow.task_states("hvd_test_limits")
+    assert {task: state for task, (state, _) in states.items()} == {
+        "more_ranks_than_slots": "failed", "too_many_files": "failed",
+    }, explain(proc)
+    assert "np=4 needs 4 barrier slots, but the cluster has 2" in output
+    assert "after waiting start_timeout=2s" in output  # the operator's, not the engine's default of 120 s
+    assert "max_artifact_files" in output
+    run_id = airflow.last_run_id("hvd_test_limits")
+    marker = json.loads((airflow.artifacts / "hvd_test_limits" / run_id / "too_many_files" / "try-1" / "_ARTIFACTS.json").read_text())
+    assert marker["status"] == "failed"
+    assert not (airflow.artifacts / "hvd_test_limits" / run_id / "too_many_files" / "try-1" / "checkpoints").exists()
+
+
 def test_bad_input_fails_before_training_with_errors_that_name_the_fix(airflow):
     proc = airflow.dags_test("hvd_test_bad_input")
     output = proc.stdout + proc.stderr

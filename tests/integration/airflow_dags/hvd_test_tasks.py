@@ -1,5 +1,6 @@
 """Test DAG: HorovodRunnerOperator with a reference string and a templated np; @task.horovod with a
-result that is not JSON-serializable; @task.horovod whose first try fails after a checkpoint."""
+result that is not JSON-serializable; @task.horovod whose first try fails after a checkpoint; a
+job killed with its task; bad input; the engine's limits set on the operator."""
 
 from __future__ import annotations
 
@@ -85,7 +86,29 @@ def hvd_test_bad_input():
                           artifact_root="/proc/hvd-cannot-write-here")
 
 
+@dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False)
+def hvd_test_limits():
+    """The operator's engine limits reach the engine: too few slots fail after start_timeout (2 s,
+    not the default 120 s); rank 0 handing over more files than max_artifact_files fails the try."""
+
+    @task.horovod(np=4, start_timeout=2)  # the embedded local[2] Spark has 2 barrier slots
+    def more_ranks_than_slots():
+        return "never runs"
+
+    @task.horovod(np=-1, max_artifact_files=1)  # one local process: no Spark job
+    def too_many_files():
+        from airflow_provider_horovod import runtime
+
+        for name in ("epoch-1.pt", "epoch-2.pt"):
+            (runtime.checkpoint_dir() / name).write_bytes(b"w")
+        return "trained"
+
+    more_ranks_than_slots()
+    too_many_files()
+
+
 hvd_test_tasks()
 hvd_test_retry()
 hvd_test_kill()
 hvd_test_bad_input()
+hvd_test_limits()

@@ -39,6 +39,19 @@ def test_templated_fields_render_from_the_context():
     assert isinstance(op.hook, HorovodRunnerHook) and op.hook.spark_conn_id == "spark_gpu"
 
 
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("launcher", "ssh", "launcher must be one of mpirun, gloo"),
+    ("driver_log_verbosity", "some", "driver_log_verbosity must be one of"),
+    ("start_timeout", 0, "start_timeout must be a positive number of seconds"),
+    ("start_timeout", "120", "start_timeout must be a positive number of seconds"),
+    ("max_artifact_bytes", 0, "max_artifact_bytes must be a positive int"),
+    ("max_artifact_files", 2.5, "max_artifact_files must be a positive int"),
+])
+def test_engine_options_are_checked_when_the_dag_is_parsed(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        HorovodRunnerOperator(task_id="t", training_callable=train, **{option: value})
+
+
 @pytest.mark.parametrize("np", ["two", "2.5", "", None, 0, "0", True, 1.5, [2]])
 def test_np_that_is_not_a_non_zero_int_fails_execute_before_anything_starts(np):
     op = HorovodRunnerOperator(task_id="t", training_callable=train, np=np, op_kwargs={"lr": 0.1})

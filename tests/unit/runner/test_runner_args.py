@@ -24,3 +24,9 @@ def test_unknown_verbosity_is_refused():
 def test_env_values_must_be_strings():
     with pytest.raises(ValueError, match="env must map str to str"):
         HorovodRunner(2, env={"X": 1})
+
+
+@pytest.mark.parametrize("start_timeout", [0, -1, float("inf"), "120", None, True])
+def test_start_timeout_must_be_a_positive_number(start_timeout):
+    with pytest.raises(ValueError, match="start_timeout must be a positive number of seconds"):
+        HorovodRunner(2, start_timeout=start_timeout)

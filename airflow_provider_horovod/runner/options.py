@@ -1,0 +1,25 @@
+"""The engine's options that are checked without Spark or Horovod, so an operator can check them
+when its DAG is parsed (importing this module imports nothing heavy)."""
+
+from __future__ import annotations
+
+LAUNCHERS = ("mpirun", "gloo")
+VERBOSITIES = ("all", "log_callback_only")
+DEFAULT_START_TIMEOUT_S = 120.0
+
+
+def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: float,
+                  max_artifact_bytes: int, max_artifact_files: int) -> None:
+    """The engine's options that are checked without Spark: a ``ValueError`` that names the fix.
+
+    ``HorovodRunner`` checks them when it is made; the operator when the DAG is parsed.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError("launcher must be one of %s; got %r" % (", ".join(LAUNCHERS), launcher))
+    if driver_log_verbosity not in VERBOSITIES:
+        raise ValueError("driver_log_verbosity must be one of %s; got %r" % (", ".join(VERBOSITIES), driver_log_verbosity))
+    if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not 0 < start_timeout < float("inf"):
+        raise ValueError("start_timeout must be a positive number of seconds; got %r" % (start_timeout,))
+    for name, value in (("max_artifact_bytes", max_artifact_bytes), ("max_artifact_files", max_artifact_files)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError("%s must be a positive int; got %r" % (name, value))

@@ -1,4 +1,5 @@
-"""What every benchmark script shares: a warm embedded Spark session."""
+"""What the benchmark scripts share: a warm embedded Spark session, and the training function that
+writes a checkpoint of a given size (the engine pickles it by value: this folder is not installed)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,22 @@ def warm_local_session(app_name: str):
     spark.sparkContext.setLogLevel("ERROR")
     spark.range(4, numPartitions=2).collect()  # start the JVM side and the Python workers
     return spark
+
+
+def write_checkpoint(mib: int) -> int:
+    import horovod.torch as hvd
+    import torch
+
+    from airflow_provider_horovod import runtime
+
+    hvd.init()
+    hvd.allreduce(torch.ones(1))
+    if hvd.rank() == 0:
+        block = os.urandom(1 << 20)
+        target = runtime.checkpoint_dir() / "model.bin"
+        with open(str(target) + ".tmp", "wb") as f:
+            for _ in range(mib):
+                f.write(block)
+        os.replace(str(target) + ".tmp", target)
+        os.sync()  # every contender starts with no dirty pages to write back (outside the timed part)
+    return mib

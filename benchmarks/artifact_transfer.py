@@ -36,26 +36,7 @@ import time
 from pathlib import Path
 
 import psutil
-from _common import warm_local_session
-
-
-def write_checkpoint(mib: int) -> int:
-    import horovod.torch as hvd
-    import torch
-
-    from airflow_provider_horovod import runtime
-
-    hvd.init()
-    hvd.allreduce(torch.ones(1))
-    if hvd.rank() == 0:
-        block = os.urandom(1 << 20)
-        target = runtime.checkpoint_dir() / "model.bin"
-        with open(str(target) + ".tmp", "wb") as f:
-            for _ in range(mib):
-                f.write(block)
-        os.replace(str(target) + ".tmp", target)
-        os.sync()  # every contender starts with no dirty pages to write back (outside the timed part)
-    return mib
+from _common import warm_local_session, write_checkpoint
 
 
 class PeakRss:

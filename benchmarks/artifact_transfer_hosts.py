@@ -45,24 +45,6 @@ with socket.create_connection((addr, port)) as s, open(path, 'rb') as f:
 """
 
 
-def write_checkpoint(mib: int) -> int:
-    import horovod.torch as hvd
-    import torch
-
-    from airflow_provider_horovod import runtime
-
-    hvd.init()
-    hvd.allreduce(torch.ones(1))
-    if hvd.rank() == 0:
-        block = os.urandom(1 << 20)
-        target = runtime.checkpoint_dir() / "model.bin"
-        with open(str(target) + ".tmp", "wb") as f:
-            for _ in range(mib):
-                f.write(block)
-        os.replace(str(target) + ".tmp", target)
-    return mib
-
-
 def tcp_transfer(bed, worker, source: str, dest: Path) -> float:
     """MiB/s of one plain TCP transfer of ``source`` (on the worker host) into ``dest`` (on the driver)."""
     listener = socket.socket()
@@ -97,6 +79,7 @@ def tcp_transfer(bed, worker, source: str, dest: Path) -> float:
 
 def driver_side(bed_json: str, master: str, conf: dict, args) -> dict:
     """Runs in the driver's namespace: the rounds, shaped then unshaped."""
+    from _common import write_checkpoint
     from artifact_transfer import PeakRss
     from pyspark.sql import SparkSession
 

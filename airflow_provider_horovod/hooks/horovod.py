@@ -220,13 +220,6 @@ class HorovodRunnerHook(BaseHook):
                 self._session.stop()
         self._session = None
 
-    @staticmethod
-    def spark_ui_url(session: Any) -> str | None:
-        """The live Spark UI of ``session``: gone as soon as the session stops."""
-        with contextlib.suppress(Exception):
-            return session.sparkContext.uiWebUrl
-        return None
-
     def history_server_url(self, session: Any) -> str | None:
         """The application's page on the connection's Spark History Server, or ``None``.
 
@@ -444,10 +437,10 @@ JVM_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.IN
               "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
 
 
-def start_jvm(conf: dict[str, str], logger: logging.Logger) -> bool:
+def start_jvm(conf: dict[str, str], logger: logging.Logger) -> None:
     """Start this process's Spark JVM (PySpark's gateway) in a session of its own, its stdout and
-    stderr going to ``logger`` line by line, each at the level log4j gave it. False when this
-    process has its JVM already (PySpark starts one per process and keeps it).
+    stderr going to ``logger`` line by line, each at the level log4j gave it. Nothing to do when
+    this process has its JVM already (PySpark starts one per process and keeps it).
 
     A session of its own: Airflow stops a task ("mark failed", SIGTERM) by signalling the task's
     whole process group. A JVM in that group would shut its executors down at once and race the
@@ -461,7 +454,7 @@ def start_jvm(conf: dict[str, str], logger: logging.Logger) -> bool:
     from pyspark.java_gateway import launch_gateway
 
     if SparkContext._gateway is not None:
-        return False
+        return
     fd, path = tempfile.mkstemp(prefix="hvd-jvm-", suffix=".log")
     try:
         read_fd = os.open(path, os.O_RDONLY)
@@ -472,7 +465,6 @@ def start_jvm(conf: dict[str, str], logger: logging.Logger) -> bool:
     finally:
         os.close(fd)
     SparkContext._ensure_initialized(gateway=gateway)
-    return True
 
 
 class _JvmLines(threading.Thread):

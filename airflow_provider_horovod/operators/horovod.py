@@ -126,7 +126,6 @@ class HorovodRunnerOperator(BaseOperator):
         self.start_timeout = start_timeout
         self.max_artifact_bytes = max_artifact_bytes
         self.max_artifact_files = max_artifact_files
-        self._runner: Any = None
 
     @cached_property
     def hook(self) -> HorovodRunnerHook:

@@ -38,7 +38,12 @@ def orted_words(tmp_path_factory) -> tuple[Plan, list[str]]:
     recording agent stands in for the runner's, whose command then takes its place in the words)."""
     plan = _plan(tmp_path_factory.mktemp("mpirun"))
     agent = tmp_path_factory.mktemp("agent") / "record-agent"
-    agent.write_text("#!/bin/sh\nfor w in \"$@\"; do printf '%%s\\n' \"$w\"; done > %s/words-$1\nexit 1\n" % agent.parent)
+    # It fails every launch, but only once both hosts' words are recorded (at most 10 s): mpirun
+    # gives up at the first failed daemon, which must not come before it has asked for the second.
+    agent.write_text(
+        "#!/bin/sh\nfor w in \"$@\"; do printf '%%s\\n' \"$w\"; done > %(d)s/words-$1\n"
+        "for i in $(seq 100); do [ -e %(d)s/words-hvdhost0 ] && [ -e %(d)s/words-hvdhost1 ] && break; sleep 0.1; done\n"
+        "exit 1\n" % {"d": agent.parent})
     agent.chmod(0o700)
     argv = mpirun_argv(plan, agent=str(agent), networks=plan.networks)[: -len(WORKER)] + ["true"]
     subprocess.run(argv, capture_output=True, timeout=60, env=_MPIRUN_ENV)

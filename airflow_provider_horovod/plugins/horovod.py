@@ -7,7 +7,9 @@ first case so the plugin is registered once (twice would be reported as a plugin
 
 * ``fastapi_apps``: :mod:`airflow_provider_horovod.plugins.view`, mounted at ``/horovod``;
 * ``external_views``: a "Horovod" tab on every task-instance page (destination ``task_instance``)
-  that shows that page in the UI, for the try picked there.
+  that shows that page in the UI, for the try picked there. The UI uses the tab's ``href`` as it
+  is, so it carries the path of ``[api] base_url`` (``https://host/airflow/`` → ``/airflow/horovod/...``):
+  behind a path prefix the tab opens the view, not the UI's "page not found".
 
 The app is built on first use, in the API server only: other Airflow processes load this plugin
 without importing FastAPI or the API server's security code.
@@ -19,12 +21,22 @@ from __future__ import annotations
 
 from functools import cached_property
 from typing import Any
+from urllib.parse import urlsplit
 
 from airflow.plugins_manager import AirflowPlugin
 
 URL_PREFIX = "/horovod"
 URL_ROUTE = "horovod"  # the UI's tab: /dags/<dag>/runs/<run>/tasks/<task>/plugin/horovod
-VIEW_HREF = URL_PREFIX + "/dags/{DAG_ID}/runs/{RUN_ID}/tasks/{TASK_ID}?map_index={MAP_INDEX}"
+VIEW_PATH = URL_PREFIX + "/dags/{DAG_ID}/runs/{RUN_ID}/tasks/{TASK_ID}?map_index={MAP_INDEX}"
+
+
+def view_href() -> str:
+    """The tab's ``href``: the view's path under the path of ``[api] base_url`` (as the API server
+    mounts every app under it)."""
+    from airflow.configuration import conf
+
+    root = urlsplit(conf.get("api", "base_url", fallback="") or "").path.rstrip("/")
+    return root + VIEW_PATH
 
 
 class HorovodPlugin(AirflowPlugin):
@@ -34,7 +46,7 @@ class HorovodPlugin(AirflowPlugin):
     external_views = [
         {
             "name": "Horovod",
-            "href": VIEW_HREF,
+            "href": view_href(),
             "destination": "task_instance",
             "url_route": URL_ROUTE,
         }

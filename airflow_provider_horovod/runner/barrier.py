@@ -209,10 +209,7 @@ def prepare(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: 
     if services.exec_service is not None:
         services.exec_service.expect(plan, partition)
     if spec.has_resume and plan.host_leader(slot.hostname).partition == partition:
-        if spec.channel is None:
-            raise TaskFailure(Failure("resume_from needs the executors to reach the driver, and they cannot here. Put "
-                                      "the checkpoint where the training function can read it and pass its path instead."))
-        fetch_resume(spec, task.resume)
+        fetch_resume(spec, task.resume)  # over the channel: the engine refuses resume_from without one
     if services.rendezvous is not None:
         services.rendezvous.init(plan)
 

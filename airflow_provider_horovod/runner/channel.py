@@ -164,13 +164,6 @@ class Channel:
             conn.close()
 
     # -- what the driver says --------------------------------------------------------------------
-    def send_to(self, partition: int, msg: dict[str, Any]) -> None:
-        with self._lock:
-            conn = self._tasks.get(partition)
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                conn.send(msg)
-
     def send_tasks(self, msg: dict[str, Any]) -> None:
         """``msg`` to every barrier task (``stop``: end your ranks now; ``start``; ``release``)."""
         with self._lock:

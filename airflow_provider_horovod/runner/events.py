@@ -124,7 +124,7 @@ class RunReport(Mapping):
     run_id: str
     np: int
     launcher: str
-    status: str = "running"  # running | success | failed | cancelled
+    status: str = "running"  # not started | running | success | failed | cancelled
     result: Any = None
     duration_s: float | None = None
     coordination: str | None = None  # "channel" (the driver's channel), "spark" (allGather), "local"

@@ -19,7 +19,8 @@ from airflow_provider_horovod.runner import names
 
 @dataclasses.dataclass(frozen=True)
 class TaskFacts:
-    """What one barrier task reports about itself in the first ``allGather``."""
+    """What one barrier task reports about itself before the plan: over the driver's channel (the
+    normal path), or in Spark's ``allGather`` when the executors cannot reach the driver."""
 
     partition: int
     executor: str  # the executor's address as Spark reports it: one per host identity

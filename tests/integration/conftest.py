@@ -19,18 +19,21 @@ DEPLOYMENT_DAGS = [*sorted((REPO / "dags").glob("*.py")), *sorted((REPO / "tests
 # The connection of the DAGs that share one Spark standalone cluster (4 one-core workers; each task's
 # application may take 2 cores, so two Horovod jobs run at once and the next ones wait for slots).
 SHARED_SPARK_CONN_ID = "spark_shared"
+PATH_PREFIX = "/airflow"
 
 
 @pytest.fixture(scope="session")
 def airflow_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     """PostgreSQL + API server + scheduler + DAG processor + triggerer (LocalExecutor), with the
     example DAGs and ``tests/integration/deployment_dags/``, and a Spark standalone cluster behind the
-    ``spark_shared`` connection; torn down at the end of the session."""
+    ``spark_shared`` connection; torn down at the end of the session. The UI and the APIs are served
+    under ``/airflow`` (``[api] base_url``), as behind a reverse proxy: every test that talks to the
+    deployment, the browser's included, goes through that prefix."""
     cluster = StandaloneCluster(tmp_path_factory.mktemp("deployment-spark"), workers=4).start()
     try:
         shared = {"conn_type": "spark", "host": cluster.master, "extra": {**cluster.app_conf(), "spark.cores.max": "2"}}
         env = {**DEPLOYMENT_ENV, "AIRFLOW_CONN_%s" % SHARED_SPARK_CONN_ID.upper(): json.dumps(shared)}
-        with Deployment.start(tmp_path_factory.mktemp("deployment"), DEPLOYMENT_DAGS, env) as deployment:
+        with Deployment.start(tmp_path_factory.mktemp("deployment"), DEPLOYMENT_DAGS, env, path_prefix=PATH_PREFIX) as deployment:
             deployment.shared_spark = cluster
             yield deployment
     finally:

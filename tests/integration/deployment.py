@@ -333,11 +333,14 @@ class Deployment:
     :param root: a folder for AIRFLOW_HOME, the DAGs folder, the artifacts and the process logs.
     :param dag_files: the DAG files to copy into the DAGs folder.
     :param env: extra environment for every Airflow process (``AIRFLOW__...`` settings).
+    :param path_prefix: the path the UI and the APIs are served under (``"/airflow"``: as behind a
+        reverse proxy at ``https://host/airflow/``); ``[api] base_url`` carries it.
     """
 
     COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 
-    def __init__(self, root: Path, dag_files: Iterable[Path], env: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path, dag_files: Iterable[Path], env: dict[str, str] | None = None,
+                 path_prefix: str = "") -> None:
         self.root = Path(root)
         self.home = self.root / "airflow"
         self.dags = self.root / "dags"
@@ -350,7 +353,7 @@ class Deployment:
         self.postgres = Postgres()
         self.api_port = free_port()
         self.password = "admin-%d" % self.api_port
-        self.base_url = "http://127.0.0.1:%d" % self.api_port
+        self.base_url = "http://127.0.0.1:%d%s" % (self.api_port, path_prefix.rstrip("/"))
         self.procs: dict[str, subprocess.Popen] = {}
         self._api: Api | None = None
         self.shared_spark: Any = None  # a StandaloneCluster behind a connection, when the fixture starts one
@@ -386,8 +389,9 @@ class Deployment:
     # -- life cycle ------------------------------------------------------------------------------
     @classmethod
     @contextlib.contextmanager
-    def start(cls, root: Path, dag_files: Iterable[Path], env: dict[str, str] | None = None) -> Iterator[Deployment]:
-        deployment = cls(root, dag_files, env)
+    def start(cls, root: Path, dag_files: Iterable[Path], env: dict[str, str] | None = None,
+              path_prefix: str = "") -> Iterator[Deployment]:
+        deployment = cls(root, dag_files, env, path_prefix)
         try:
             deployment.up()
             yield deployment

@@ -18,7 +18,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from tests.integration.conftest import NO_DAG_ACCESS_USER
+from tests.integration.conftest import NO_DAG_ACCESS_USER, PATH_PREFIX
 from tests.integration.deployment import Deployment
 
 pytestmark = [pytest.mark.slow]
@@ -125,6 +125,7 @@ def test_extra_links_open_the_view_and_no_dead_spark_ui(view_run):
     plugins = {p["name"]: p for p in api.get("/plugins")["plugins"]}
     view = plugins["horovod"]["external_views"][0]
     assert (view["destination"], view["url_route"]) == ("task_instance", "horovod")
+    assert view["href"].startswith(PATH_PREFIX + "/horovod/dags/{DAG_ID}/")  # under [api] base_url's path
 
 
 ENDPOINTS = ["", "/tries", "/tries/1/timeline.svg", "/tries/1/files/checkpoints/model.pt"]

@@ -119,13 +119,17 @@ def test_connection_of_another_type_is_refused(monkeypatch):
 
 
 def test_resolving_starts_no_spark(monkeypatch):
+    """In a fresh interpreter: in this one, other tests have long imported pyspark."""
+    import subprocess
     import sys
 
     conn(monkeypatch, "spark_x", conn_type="spark", host="local[2]")
-    had_pyspark = "pyspark.sql.session" in sys.modules
-    HorovodRunnerHook("spark_x").resolve_target()
-    if not had_pyspark:
-        assert "pyspark.sql.session" not in sys.modules
+    probe = ("import sys; from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook; "
+             "target = HorovodRunnerHook('spark_x').resolve_target(); "
+             "print(target.master, sorted(m for m in sys.modules if m.startswith('pyspark.sql')))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["local[2]", "[]"]
 
 
 # -- the artifact store ----------------------------------------------------------------------------

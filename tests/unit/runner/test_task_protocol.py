@@ -52,7 +52,7 @@ def test_a_task_that_fails_before_its_ranks_start_reports_it_and_waits_to_be_rel
                                             "RuntimeError: the resource profile went away")
         assert "ctx.resources()" in finished.failure.traceback
         assert task.is_alive()  # it waits for the driver's release (other hosts may still need its services)
-        channel.send_to(0, {"t": names.MSG_RELEASE})
+        channel.send_tasks({"t": names.MSG_RELEASE})
         task.join(10)
         assert not task.is_alive() and rows == []
     finally:

@@ -33,6 +33,7 @@ and the plan sent, start sent, every task finished and released) split *start* a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -219,7 +220,7 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per contender (default 5)")
     parser.add_argument("--skip", action="append", default=[], choices=sorted(NAMES),
@@ -227,6 +228,30 @@ def main() -> int:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    return args
+
+
+@dataclasses.dataclass
+class Rounds:
+    """What the timed rounds measured, per contender; only whole rounds count."""
+
+    order: list[str]
+    walls: dict[str, list[float]]
+    splits: dict[str, list[dict]]
+    errors: dict[str, list[str]]
+    per_round: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    done: int = 0
+
+    @classmethod
+    def of(cls, order: list[str]) -> Rounds:
+        return cls(order, {n: [] for n in order}, {n: [] for n in order}, {n: [] for n in order})
+
+    def medians(self) -> dict[str, float | None]:
+        return {n: statistics.median(w) if w else None for n, w in self.walls.items()}
+
+
+def main() -> int:
+    args = parse_args()
     # Docker-friendly shared memory for Open MPI, as the test suite uses; applies to both MPI contenders.
     os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
 
@@ -235,76 +260,85 @@ def main() -> int:
     spark = make_spark()
     print("SparkSession local[2] up in %.1fs; Python %s; %d CPUs; load average %.2f %.2f %.2f"
           % ((time.time() - t_setup, sys.version.split()[0], os.cpu_count()) + os.getloadavg()))
-    order = [n for n in NAMES if n not in args.skip]
-    walls: dict[str, list[float]] = {n: [] for n in order}
-    splits: dict[str, list[dict]] = {n: [] for n in order}
-    errors: dict[str, list[str]] = {n: [] for n in order}
-    per_round: list[dict[str, float]] = []
-
+    rounds = Rounds.of([n for n in NAMES if n not in args.skip])
     with tempfile.TemporaryDirectory(prefix="hvd-launch-bench-") as tmp:
         c = Contenders(spark, Path(tmp))
-        print("warm-up (untimed):")
-        for name in order:
-            wall, _, err = timed(getattr(c, name))
-            print("  %-40s %6.2fs%s" % (NAMES[name], wall, "  FAILED: " + err if err else ""), flush=True)
-        done = 0
+        warm_up(c, rounds.order)
         try:
             for r in range(args.rounds):
-                # Alternate, rotating the start so no contender always runs right after the same one.
-                k = r % len(order)
-                line, got = [], []
-                for name in order[k:] + order[:k]:
-                    wall, split, err = timed(getattr(c, name))
-                    if err:
-                        errors[name].append(err)
-                        line.append("%s FAILED" % name)
-                        print("    %s failed in round %d: %s" % (NAMES[name], r + 1, err))
-                        continue
-                    got.append((name, wall, split))
-                    line.append("%s %.2fs" % (name, wall))
-                for name, wall, split in got:  # only whole rounds count
-                    walls[name].append(wall)
-                    splits[name].append(split)
-                per_round.append({name: wall for name, wall, _ in got})
-                done += 1
-                print("round %d/%d: %s" % (r + 1, args.rounds, ", ".join(line)), flush=True)
+                run_round(c, rounds, r, args.rounds)
         except KeyboardInterrupt:
-            print("interrupted in round %d: the summary below covers the %d whole rounds before it" % (done + 1, done))
-
-    med = {n: statistics.median(w) if w else None for n, w in walls.items()}
+            print("interrupted in round %d: the summary below covers the %d whole rounds before it" % (rounds.done + 1, rounds.done))
     print("load average at the end: %.2f %.2f %.2f (other work on the machine skews every number)" % os.getloadavg())
-    print()
-    print("Median wall time of a no-op np=2 job over %d rounds (warm SparkSession, local[2])" % done)
-    print("%-40s %8s %8s %8s   %s" % ("contender", "median", "min", "max", "median split: start / import / init / op / end"))
+    report_walls(rounds)
+    report_ratios(rounds)
+    spark.stop()
+    return 0
+
+
+def warm_up(c: Contenders, order: list[str]) -> None:
+    print("warm-up (untimed):")
     for name in order:
-        if not walls[name]:
-            why = "%d runs failed, first: %s" % (len(errors[name]), errors[name][0]) if errors[name] else "no whole round"
+        wall, _, err = timed(getattr(c, name))
+        print("  %-40s %6.2fs%s" % (NAMES[name], wall, "  FAILED: " + err if err else ""), flush=True)
+
+
+def run_round(c: Contenders, rounds: Rounds, r: int, total: int) -> None:
+    """Round ``r``: every contender once, the start rotated so none always runs right after the same one."""
+    order = rounds.order
+    k = r % len(order)
+    line, got = [], []
+    for name in order[k:] + order[:k]:
+        wall, split, err = timed(getattr(c, name))
+        if err:
+            rounds.errors[name].append(err)
+            line.append("%s FAILED" % name)
+            print("    %s failed in round %d: %s" % (NAMES[name], r + 1, err))
+            continue
+        got.append((name, wall, split))
+        line.append("%s %.2fs" % (name, wall))
+    for name, wall, split in got:  # only whole rounds count
+        rounds.walls[name].append(wall)
+        rounds.splits[name].append(split)
+    rounds.per_round.append({name: wall for name, wall, _ in got})
+    rounds.done += 1
+    print("round %d/%d: %s" % (r + 1, total, ", ".join(line)), flush=True)
+
+
+def report_walls(rounds: Rounds) -> None:
+    med = rounds.medians()
+    print()
+    print("Median wall time of a no-op np=2 job over %d rounds (warm SparkSession, local[2])" % rounds.done)
+    print("%-40s %8s %8s %8s   %s" % ("contender", "median", "min", "max", "median split: start / import / init / op / end"))
+    for name in rounds.order:
+        walls, errors, splits = rounds.walls[name], rounds.errors[name], rounds.splits[name]
+        if not walls:
+            why = "%d runs failed, first: %s" % (len(errors), errors[0]) if errors else "no whole round"
             print("%-40s %8s   %s" % (NAMES[name], "-", why))
             continue
-        parts = " / ".join("%s %.2f" % (k, statistics.median(s[k] for s in splits[name])) for k in ("start", "import", "init", "op", "end"))
-        fails = "  (%d failed runs)" % len(errors[name]) if errors[name] else ""
-        print("%-40s %7.2fs %7.2fs %7.2fs   %s%s" % (NAMES[name], med[name], min(walls[name]), max(walls[name]), parts, fails))
-    for name in order:
-        marks = [s["runner"] for s in splits[name] if "runner" in s]
+        parts = " / ".join("%s %.2f" % (k, statistics.median(s[k] for s in splits)) for k in ("start", "import", "init", "op", "end"))
+        fails = "  (%d failed runs)" % len(errors) if errors else ""
+        print("%-40s %7.2fs %7.2fs %7.2fs   %s%s" % (NAMES[name], med[name], min(walls), max(walls), parts, fails))
+    for name in rounds.order:
+        marks = [s["runner"] for s in rounds.splits[name] if "runner" in s]
         if marks:
             keys = [k for k in marks[0] if all(k in m for m in marks)]
             print("  %s start, median seconds after run(): %s" % (
                 NAMES[name], ", ".join("%s %.2f" % (k, statistics.median(m[k] for m in marks)) for k in keys)))
 
+
+def report_ratios(rounds: Rounds) -> None:
+    med = rounds.medians()
     print()
     print("%-46s %8s %8s  %-6s %s" % ("ratio (medians)", "measured", "target", "result", "paired: median of per-round ratios"))
-
     for (runner, other), target in TARGETS.items():
-        if runner not in order or other not in order:
+        if runner not in rounds.order or other not in rounds.order:
             continue
         text, value = fmt_ratio(med[runner], med[other])
         verdict = "n/a (a contender failed)" if value is None else ("PASS" if value <= target else "MISS")
-        pairs = [w[runner] / w[other] for w in per_round if runner in w and other in w]
+        pairs = [w[runner] / w[other] for w in rounds.per_round if runner in w and other in w]
         print("%-46s %8s %8s  %-6s %s" % ("%s / %s" % (runner, other), text, "<= %.2fx" % target, verdict,
                                          "%.2fx" % statistics.median(pairs) if pairs else "n/a"))
-    spark.stop()
-    return 0
-
 
 if __name__ == "__main__":
     try:

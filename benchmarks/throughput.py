@@ -126,7 +126,7 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per contender (default 5)")
     parser.add_argument("--steps", type=int, default=100, help="timed training steps per run (default 100)")
@@ -136,6 +136,55 @@ def main() -> int:
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be >= 1")
+    return args
+
+
+def warm_up(contenders: dict, names: dict[str, str]) -> None:
+    print("warm-up (untimed):")
+    for name, fn in contenders.items():
+        t0 = time.time()
+        res = fn()
+        print("  %-28s per-rank images/s %s (wall %.1fs)" % (names[name], ", ".join("%.0f" % r for r in res["rates"]), time.time() - t0),
+              flush=True)
+
+
+def report(args: argparse.Namespace, names: dict[str, str], rates: dict[str, list[list[float]]], done: int) -> None:
+    """The per-rank images/s of each contender over the whole rounds, and the ratio against horovodrun."""
+    print()
+    print("Per-rank training throughput, np=2, batch %d, %d timed steps, median over %d rounds"
+          % (args.batch_size, args.steps, done))
+    print("%-28s %12s %12s %16s %s" % ("contender", "rank 0", "rank 1", "mean per rank", "  (min-max of per-round means)"))
+    med = {}
+    for name in names:
+        per_rank = [statistics.median(run[i] for run in rates[name]) for i in range(NP)]
+        means = [sum(run) / NP for run in rates[name]]
+        med[name] = statistics.median(means)
+        print("%-28s %12.0f %12.0f %16.0f   (%.0f-%.0f)" % (names[name], per_rank[0], per_rank[1], med[name], min(means), max(means)))
+    ratio = med["runner"] / med["horovodrun"]
+    paired = statistics.median(sum(a) / sum(b) for a, b in zip(rates["runner"], rates["horovodrun"]))
+    print()
+    print("ratio runner/horovodrun (median per-rank images/s): %.3f   target >= %.2f   %s"
+          % (ratio, TARGET, "PASS" if ratio >= TARGET else "MISS"))
+    print("median of the per-round ratios (paired, same round):  %.3f" % paired)
+
+
+def run_round(contenders: dict, rates: dict[str, list[list[float]]], r: int, total: int) -> None:
+    """Round ``r``: each contender once, alternating which goes first; only whole rounds count."""
+    order = list(contenders)
+    line, got = [], {}
+    for name in order[r % 2 :] + order[: r % 2]:
+        t0 = time.time()
+        res = contenders[name]()
+        assert res["size"] == NP, res
+        got[name] = res["rates"]
+        line.append("%s %s img/s per rank (wall %.1fs)" % (name, "/".join("%.0f" % x for x in res["rates"]), time.time() - t0))
+    for name, value in got.items():
+        rates[name].append(value)
+    print("round %d/%d: %s" % (r + 1, total, "; ".join(line)), flush=True)
+
+
+def main() -> int:
+    args = parse_args()
     os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")  # as the test suite; both contenders
     kwargs = {"steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size}
 
@@ -171,27 +220,12 @@ def main() -> int:
                  "runner": "HorovodRunner(2) %s" % args.launcher}
         rates: dict[str, list[list[float]]] = {n: [] for n in contenders}
 
-        print("warm-up (untimed):")
-        for name, fn in contenders.items():
-            t0 = time.time()
-            res = fn()
-            print("  %-28s per-rank images/s %s (wall %.1fs)" % (names[name], ", ".join("%.0f" % r for r in res["rates"]), time.time() - t0),
-                  flush=True)
-        order = list(contenders)
+        warm_up(contenders, names)
         done = 0
         try:
             for r in range(args.rounds):
-                line, got = [], {}
-                for name in order[r % 2 :] + order[: r % 2]:
-                    t0 = time.time()
-                    res = contenders[name]()
-                    assert res["size"] == NP, res
-                    got[name] = res["rates"]
-                    line.append("%s %s img/s per rank (wall %.1fs)" % (name, "/".join("%.0f" % x for x in res["rates"]), time.time() - t0))
-                for name, value in got.items():  # only whole rounds count
-                    rates[name].append(value)
+                run_round(contenders, rates, r, args.rounds)
                 done += 1
-                print("round %d/%d: %s" % (r + 1, args.rounds, "; ".join(line)), flush=True)
         except KeyboardInterrupt:
             print("interrupted in round %d: the summary below covers the %d whole rounds before it" % (done + 1, done))
     spark.stop()
@@ -200,24 +234,8 @@ def main() -> int:
         print("no whole round: nothing to report")
         return 1
 
-    print()
-    print("Per-rank training throughput, np=2, batch %d, %d timed steps, median over %d rounds"
-          % (args.batch_size, args.steps, done))
-    print("%-28s %12s %12s %16s %s" % ("contender", "rank 0", "rank 1", "mean per rank", "  (min-max of per-round means)"))
-    med = {}
-    for name in order:
-        per_rank = [statistics.median(run[i] for run in rates[name]) for i in range(NP)]
-        means = [sum(run) / NP for run in rates[name]]
-        med[name] = statistics.median(means)
-        print("%-28s %12.0f %12.0f %16.0f   (%.0f-%.0f)" % (names[name], per_rank[0], per_rank[1], med[name], min(means), max(means)))
-    ratio = med["runner"] / med["horovodrun"]
-    paired = statistics.median(sum(a) / sum(b) for a, b in zip(rates["runner"], rates["horovodrun"]))
-    print()
-    print("ratio runner/horovodrun (median per-rank images/s): %.3f   target >= %.2f   %s"
-          % (ratio, TARGET, "PASS" if ratio >= TARGET else "MISS"))
-    print("median of the per-round ratios (paired, same round):  %.3f" % paired)
+    report(args, names, rates, done)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

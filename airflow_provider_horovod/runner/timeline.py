@@ -185,69 +185,113 @@ def colour(name: str) -> str:
     return _OTHER_COLOUR
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where the parts of the picture go: the lanes' plot on the left, the totals on the right."""
+
+    timeline: Timeline
+    shown: list[int]  # the lanes drawn, busiest first
+    label_w: int = 170
+    plot_w: int = 520
+    gap: int = 24
+    totals_w: int = 400
+    lane_h: int = 22
+    top: int = 58
+    axis_h: int = 34
+
+    @property
+    def width(self) -> int:
+        return self.label_w + self.plot_w + self.gap + self.totals_w + 10
+
+    @property
+    def plot_h(self) -> int:
+        return self.lane_h * max(len(self.shown), 1)
+
+    @property
+    def axis_y(self) -> int:
+        return self.top + self.plot_h
+
+    @property
+    def totals_x(self) -> int:
+        return self.label_w + self.plot_w + self.gap
+
+    def x(self, t: float) -> float:
+        wall = self.timeline.wall_us
+        return self.label_w + (self.plot_w * (t - self.timeline.start) / wall if wall else 0.0)
+
+
 def render_svg(timeline: Timeline, *, max_lanes: int = 14, max_operations: int = 14, title: str = "Horovod timeline") -> str:
     """An SVG picture: the busiest tensors as lanes over wall time (left), the totals (right).
 
     Spans narrower than a pixel are merged per lane and colour, so the picture stays small for
     timelines of any length.
     """
-    label_w, plot_w, gap, totals_w = 170, 520, 24, 400
-    lane_h, top, axis_h = 22, 58, 34
-    width = label_w + plot_w + gap + totals_w + 10
     order = timeline.busiest_lanes()
-    shown = order[:max_lanes]
+    layout = _Layout(timeline, order[:max_lanes])
     totals = timeline.totals()[:max_operations]
-    plot_h = lane_h * max(len(shown), 1)
-    totals_h = 22 + 18 * max(len(totals), 1)
-    height = top + max(plot_h + axis_h, totals_h) + 40
-    wall = timeline.wall_us
-    x0 = label_w
-
-    def x(t: float) -> float:
-        return x0 + (plot_w * (t - timeline.start) / wall if wall else 0.0)
-
+    height = layout.top + max(layout.plot_h + layout.axis_h, 22 + 18 * max(len(totals), 1)) + 40
     out = [
         '<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" '
-        'font-family="sans-serif" font-size="12" role="img">' % (width, height, width, height),
+        'font-family="sans-serif" font-size="12" role="img">' % (layout.width, height, layout.width, height),
         "<title>%s</title>" % html.escape(title),
         '<rect width="100%" height="100%" fill="white"/>',
         '<text x="10" y="22" font-size="15" font-weight="bold">%s</text>' % html.escape(title),
         '<text x="10" y="42" fill="#444">wall time %s, %d tensors, %d events; lanes: the %d busiest tensors over time</text>'
-        % (_fmt_us(wall), len(timeline.lanes), timeline.events, len(shown)),
+        % (_fmt_us(timeline.wall_us), len(timeline.lanes), timeline.events, len(layout.shown)),
     ]
-    if not shown:
-        out.append('<text x="10" y="%d">No operations were recorded in this timeline.</text>' % (top + 16))
-    for row, lane in enumerate(shown):
-        y = top + row * lane_h
+    out += _svg_lanes(layout)
+    out += _svg_axis(layout, hidden=order[len(layout.shown):])
+    out += _svg_totals(layout, totals)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _svg_lanes(layout: _Layout) -> list[str]:
+    """Each shown lane: its name, its spans (merged below a pixel) and the ranks' ready marks."""
+    timeline, x0, lane_h = layout.timeline, layout.label_w, layout.lane_h
+    out = []
+    if not layout.shown:
+        out.append('<text x="10" y="%d">No operations were recorded in this timeline.</text>' % (layout.top + 16))
+    for row, lane in enumerate(layout.shown):
+        y = layout.top + row * lane_h
         if row % 2:
-            out.append('<rect x="%d" y="%d" width="%d" height="%d" fill="#f5f7fa"/>' % (x0, y, plot_w, lane_h))
+            out.append('<rect x="%d" y="%d" width="%d" height="%d" fill="#f5f7fa"/>' % (x0, y, layout.plot_w, lane_h))
         name = timeline.lanes.get(lane, str(lane))
         out.append(_label(x0 - 8, y + 15, name, 25, 'text-anchor="end"'))
-        for depth, cname, a, b, what in _merged(timeline, lane, x):
+        for depth, cname, a, b, what in _merged(timeline, lane, layout.x):
             inset = 3 + 4 * min(depth, 2)
             out.append('<rect x="%.1f" y="%d" width="%.1f" height="%d" fill="%s"><title>%s</title></rect>'
                        % (a, y + inset, max(b - a, 0.8), max(lane_h - 2 * inset, 3), cname, html.escape(what)))
         for _lane, rank, ts in (r for r in timeline.ready if r[0] == lane):
             out.append('<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="#222" stroke-width="1">'
-                       '<title>rank %d ready at %s</title></line>' % (x(ts), x(ts), y + 1, y + lane_h - 1, rank, _fmt_us(ts - timeline.start)))
-    axis_y = top + plot_h
-    out.append('<line x1="%d" x2="%d" y1="%d" y2="%d" stroke="#333"/>' % (x0, x0 + plot_w, axis_y, axis_y))
+                       '<title>rank %d ready at %s</title></line>'
+                       % (layout.x(ts), layout.x(ts), y + 1, y + lane_h - 1, rank, _fmt_us(ts - timeline.start)))
+    return out
+
+
+def _svg_axis(layout: _Layout, hidden: list[int]) -> list[str]:
+    """The time axis under the lanes, and how much the lanes not drawn (``hidden``) were busy."""
+    wall, x0, plot_w, axis_y = layout.timeline.wall_us, layout.label_w, layout.plot_w, layout.axis_y
+    out = ['<line x1="%d" x2="%d" y1="%d" y2="%d" stroke="#333"/>' % (x0, x0 + plot_w, axis_y, axis_y)]
     for t in _ticks(wall):
         tx = x0 + (plot_w * t / wall if wall else 0)
         out.append('<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="#333"/>' % (tx, tx, axis_y, axis_y + 5))
         out.append('<text x="%.1f" y="%d" text-anchor="middle" fill="#333">%s</text>' % (tx, axis_y + 18, _fmt_us(t)))
     out.append('<text x="%d" y="%d" text-anchor="middle" fill="#444">time since the first event</text>'
                % (x0 + plot_w // 2, axis_y + 32))
-    if len(order) > len(shown):
-        busy = timeline.busy_us()
-        rest = sum(busy[lane] for lane in order[len(shown):])
+    if hidden:
+        busy = layout.timeline.busy_us()
         out.append('<text x="%d" y="%d" fill="#666">+ %d more tensors (%s busy) not drawn</text>'
-                   % (10, axis_y + 32, len(order) - len(shown), _fmt_us(rest)))
-    # the totals, beside the lanes
-    tx = x0 + plot_w + gap
-    out.append('<text x="%d" y="%d" font-weight="bold">Time per operation</text>' % (tx, top - 18))
-    out.append('<text x="%d" y="%d" fill="#666" font-size="11">summed over tensors; share of the %s wall time</text>'
-               % (tx, top - 4, _fmt_us(wall)))
+                   % (10, axis_y + 32, len(hidden), _fmt_us(sum(busy[lane] for lane in hidden))))
+    return out
+
+
+def _svg_totals(layout: _Layout, totals: list[OperationTotal]) -> list[str]:
+    """The time per operation, beside the lanes: a bar each, the time, the count and the share of wall time."""
+    tx, top = layout.totals_x, layout.top
+    out = ['<text x="%d" y="%d" font-weight="bold">Time per operation</text>' % (tx, top - 18),
+           '<text x="%d" y="%d" fill="#666" font-size="11">summed over tensors; share of the %s wall time</text>'
+           % (tx, top - 4, _fmt_us(layout.timeline.wall_us))]
     longest = max((r.total_ms for r in totals), default=0.0) or 1.0
     for i, r in enumerate(totals):
         y = top + 8 + i * 18
@@ -258,8 +302,7 @@ def render_svg(timeline: Timeline, *, max_lanes: int = 14, max_operations: int =
         out.append('<text x="%d" y="%d" fill="#333">%s, %d\u00d7%s</text>'
                    % (tx + 170 + 116, y + 12, _fmt_us(r.total_ms * 1000), r.count,
                       ", %.0f%%" % (100 * r.share_of_wall) if r.share_of_wall <= 1 else ""))
-    out.append("</svg>")
-    return "\n".join(out)
+    return out
 
 
 def _label(x: float, y: float, text: str, n: int, attrs: str = "") -> str:

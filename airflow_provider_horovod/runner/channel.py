@@ -45,8 +45,6 @@ from airflow_provider_horovod.runner.plan import TaskFacts
 log = logging.getLogger(__name__)
 rank_log = logging.getLogger("airflow_provider_horovod.ranks")
 
-TAIL_LINES = 100
-
 
 # A rank's line is shown as one line: a newline, a carriage return or an escape sequence in it
 # (sent by a rank, or printed by the training code) must not start a record of its own in the log.
@@ -119,7 +117,7 @@ class Channel:
         self._tasks: dict[int, wire.ServerConnection] = {}
         self._finished: set[int] = set()
         self._tails: dict[int, collections.deque[str]] = collections.defaultdict(
-            lambda: collections.deque(maxlen=TAIL_LINES))
+            lambda: collections.deque(maxlen=names.TAIL_LINES))
         self._recorded: list[dict[str, Any]] = []
         self._proofs: Path | None = None
         self.address: tuple[str, int] | None = None

@@ -27,7 +27,6 @@ from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.plan import Plan, Slot, gloo_env
 
 WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.worker"]
-TAIL_LINES = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +93,7 @@ def hand_over_rank_keys(spec: RunSpec, slots: list[Slot]) -> None:
         hand_over_key(TaskDir(slot.task_dir).rank_key(slot.rank), key)
 
 
-def tail(path: Path, n: int = TAIL_LINES) -> list[str]:
+def tail(path: Path, n: int = names.TAIL_LINES) -> list[str]:
     with contextlib.suppress(OSError), path.open("rb") as f:
         return [line.decode("utf-8", "replace").rstrip("\n") for line in deque(f, maxlen=n)]
     return []

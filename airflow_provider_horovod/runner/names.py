@@ -122,6 +122,8 @@ class TaskDir:
         return self.artifacts if rank == 0 else self.path / (SCRATCH_DIR % rank)
 
 
+TAIL_LINES = 100  # the last lines of a rank kept for its failure report (rank, task and driver alike)
+
 # -- channel messages (the ``t`` field of every frame) ------------------------------------------
 MSG_HELLO = "hello"  # task -> driver: partition and executor, first on its connection
 MSG_FACTS = "facts"  # task -> driver: TaskFacts

@@ -36,6 +36,7 @@ from airflow_provider_horovod.runner.events import (
     UploadFinished,
     UploadStarted,
 )
+from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts
 
 
@@ -43,7 +44,7 @@ from airflow_provider_horovod.runner.plan import Plan, TaskFacts
 class Deadlines:
     """Every timeout of the driver, with the relationships between them checked."""
 
-    start_s: float = 120.0  # all barrier tasks started and reported (the user's start_timeout)
+    start_s: float = DEFAULT_START_TIMEOUT_S  # all barrier tasks started and reported (the user's start_timeout)
     stop_grace_s: float = 20.0  # after a stop request (failure, slow start): tasks end their ranks
     cancel_grace_s: float = 5.0  # the same after a user's cancel
     artifact_grace_s: float = 60.0  # after a failure, how long an upload in flight may still run

@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from airflow_provider_horovod.runner.names import MSG_LOGS
+from airflow_provider_horovod.runner.names import MSG_LOGS, TAIL_LINES
 
 FLUSH_INTERVAL_S = 0.2  # how often new lines go to the driver
 FOLLOW_INTERVAL_S = 0.1  # how often the log file is read for new lines (a wake-up beside training: rare)
@@ -46,7 +46,7 @@ class OutputPump:
         self.rank = rank
         self.client = client
         self.stream = stream
-        self.tail: collections.deque[str] = collections.deque(maxlen=100)
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._pending: list[str] = []
         self._lock = threading.Lock()
         self._closing = threading.Event()

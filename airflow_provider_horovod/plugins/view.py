@@ -30,7 +30,7 @@ from airflow.api_fastapi.core_api.security import requires_access_dag
 
 from airflow_provider_horovod.plugins.store import BadRequest, NotFound, TaskArtifacts, Try, roots
 from airflow_provider_horovod.runner import timeline as hvd_timeline
-from airflow_provider_horovod.runner.artifacts import CHECKPOINTS, MARKER, TIMELINE
+from airflow_provider_horovod.store import CHECKPOINTS, MARKER, TIMELINE
 
 TASK_ROUTE = "/dags/{dag_id}/runs/{run_id}/tasks/{task_id}"
 CHUNK = 1 << 20

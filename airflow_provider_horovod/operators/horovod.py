@@ -148,6 +148,7 @@ class HorovodRunnerOperator(BaseOperator):
         with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local:
             result, last_run, error = self._train(np, local, resume_from, self._version_sink(folder, context))
             xcom = self._store(folder, local, result, last_run, context["ti"].try_number, error, source)
+        self._record_final_checkpoint(folder, context)
         self._push_metadata(context, xcom)
         self._log_summary(xcom, last_run, source, error)
         if error is not None:
@@ -200,6 +201,16 @@ class HorovodRunnerOperator(BaseOperator):
                 self.log.warning("Could not record checkpoint version %d in task_state_store: %s", version.seq, err)
 
         return commit
+
+    def _record_final_checkpoint(self, folder: ObjectStoragePath, context: Context) -> None:
+        """A try that ended with its ``checkpoints/`` stored: that is newer than its last version."""
+        newest = store.newest_checkpoint(folder)
+        if newest is None or newest.seq is not None:
+            return
+        try:
+            store.record_checkpoint(_state_store(context), newest)
+        except Exception as err:  # noqa: BLE001 - the store scan still finds it
+            self.log.warning("Could not record the try's checkpoint in task_state_store: %s", err)
 
     def _push_links(self, context: Context) -> None:
         """Each link's key exists from the start (a task that fails early logs no `XCom not found`);

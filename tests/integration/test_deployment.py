@@ -189,6 +189,7 @@ def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newe
 ):
     api = airflow_deployment.api
     dag_id = "hvd_deploy_crash"
+    api.wait_dags([dag_id])  # parsed already when the whole file runs; this test also runs alone
     run_id = api.trigger(dag_id)
 
     # try 1: the function raises after rank 0's checkpoint: failed, traceback in the log, checkpoint stored

@@ -79,8 +79,11 @@ def checkpoint_dir() -> Path:
 
     On rank 0 it is the folder the runner pulls back after the run; on every other rank it is a
     scratch folder that is thrown away, so "save only on rank 0" code works unchanged.
-    Write a checkpoint under a temporary name and rename it when complete: a file being written
-    when the run fails is never offered as complete.
+    Write a checkpoint under a temporary name and rename it when complete (or write it under a
+    final name and close it): the folder as it is then is a checkpoint *version*, committed to the
+    artifact store while training goes on. For checkpoints of several files, call
+    ``commit_checkpoint()`` once they are all written: from the first call on, only its calls make
+    versions. A file being written when the run fails is never offered as complete.
     """
     base = os.environ.get(names.ENV_TASK_DIR)
     if base is None:
@@ -89,6 +92,18 @@ def checkpoint_dir() -> Path:
         path = names.TaskDir(base).rank_folder(rank()) / names.CHECKPOINTS_DIR
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def commit_checkpoint(step: int | None = None, **metrics: object) -> None:
+    """Rank 0: the checkpoint folder as it is now is one consistent version; ship and commit it in
+    the background (training goes on at once). Once a run has called this, only its calls make
+    versions. ``step`` and ``metrics`` go into the version's marker. Other ranks: nothing happens."""
+    from airflow_provider_horovod.runner.shipper import request_commit
+
+    base = os.environ.get(names.ENV_TASK_DIR)
+    if base is None or rank() != 0:
+        return
+    request_commit(names.TaskDir(base), checkpoint_dir(), step, dict(metrics))
 
 
 def resume_dir() -> Path | None:

@@ -21,8 +21,9 @@ from urllib.parse import quote
 
 from airflow.sdk import BaseHook, ObjectStoragePath
 
+from airflow_provider_horovod import store
 from airflow_provider_horovod.exceptions import ArtifactError
-from airflow_provider_horovod.runner.artifacts import CHECKPOINTS, MARKER, TransferError, safe_relative
+from airflow_provider_horovod.runner.artifacts import TransferError, safe_relative
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -304,111 +305,13 @@ class HorovodRunnerHook(BaseHook):
         home = conf.get("core", "airflow_home", fallback=None) or os.environ.get("AIRFLOW_HOME") or "~/airflow"
         return os.path.join(os.path.expanduser(home), "horovod-artifacts")
 
-    @staticmethod
-    def storage_path(uri: str) -> ObjectStoragePath:
-        """An ObjectStoragePath for ``uri``; a plain path is a local ``file://`` path."""
-        uri = str(uri)
-        if "://" not in uri:
-            uri = "file://" + os.path.abspath(os.path.expanduser(uri))
-        return ObjectStoragePath(uri)
-
-    def try_folder(self, root: str | None, *, dag_id: str, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> ObjectStoragePath:
-        """``<root>/<dag_id>/<run_id>/<task_id>/try-<n>/``, checked writable before anything runs."""
-        task = task_id if map_index < 0 else "%s/map-%d" % (task_id, map_index)
-        root_path = self.storage_path(root or self.default_artifact_root())
-        folder = root_path / dag_id / run_id / task / ("try-%d" % try_number)
-        probe = folder / ".write-probe"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            probe.write_text("ok")
-            probe.unlink()
-        except Exception as err:  # noqa: BLE001 - any storage error means "cannot write here"
-            raise ArtifactError(
-                "Cannot write Horovod artifacts under %s (%s: %s). Point artifact_root (or [horovod] "
-                "artifact_root) at a location this worker can write." % (root_path, type(err).__name__, err)
-            ) from err
-        if (folder / MARKER).exists():
-            raise ArtifactError("%s already holds a committed run; refusing to overwrite it." % folder)
-        return folder
-
-    def store_artifacts(self, local_dir: str | Path, folder: ObjectStoragePath, marker: dict[str, Any], *,
-                        extra_files: dict[str, bytes] | None = None) -> dict[str, Any]:
-        """Copy the engine's committed ``local_dir`` (and ``extra_files``) into ``folder``, then
-        write the marker last: the store's one commit point. Nothing writes into ``local_dir``.
-
-        The engine's own marker in ``local_dir`` (if any) is merged into ``marker``, and
-        ``stored_files`` lists what was copied. Returns the marker as written.
-        """
-        local = Path(local_dir)
-        engine_marker: dict[str, Any] = {}
-        files = []
-        for path in sorted(local.rglob("*")):
-            rel = path.relative_to(local).as_posix()
-            if path.is_dir() or any(part.startswith(".") for part in rel.split("/")):
-                continue  # folders come with their files; dot-names are the engine's unfinished transfers
-            if rel == MARKER:
-                with contextlib.suppress(ValueError, OSError):
-                    engine_marker = json.loads(path.read_text())
-                continue
-            _upload(path, folder / rel)
-            files.append(rel)
-        for rel, data in sorted((extra_files or {}).items()):
-            (folder / rel).write_bytes(data)
-            files.append(rel)
-        committed = {**engine_marker, **marker, "stored_files": files}
-        tmp = folder / (MARKER + ".tmp")
-        tmp.write_text(json.dumps(committed, indent=1, default=str))
-        tmp.rename(folder / MARKER)
-        return committed
-
-    @staticmethod
-    def read_marker(folder: ObjectStoragePath) -> dict[str, Any] | None:
-        """The committed marker of a try folder, or ``None`` when the store is not complete."""
-        marker = folder / MARKER
-        try:
-            return json.loads(marker.read_text())
-        except Exception:  # noqa: BLE001 - absent or unreadable: not committed
-            return None
-
-    def latest_checkpoint(self, folder: ObjectStoragePath, try_number: int) -> ObjectStoragePath | None:
-        """The checkpoints of the newest earlier try that committed a non-empty checkpoint folder."""
-        parent = folder.parent
-        for n in range(try_number - 1, 0, -1):
-            earlier = parent / ("try-%d" % n)
-            committed = self.read_marker(earlier)
-            if committed is None or committed.get("complete") is False:
-                continue
-            checkpoints = earlier / CHECKPOINTS
-            with contextlib.suppress(Exception):
-                if checkpoints.is_dir() and any(checkpoints.iterdir()):
-                    return checkpoints
-        return None
-
-    def checkpoint_at(self, uri: str) -> ObjectStoragePath:
-        """The checkpoint folder a ``resume`` URI names: a try folder, its ``checkpoints/``, or any folder.
-
-        A try folder of this provider (or its ``checkpoints/``) counts only once committed.
-        """
-        path = self.storage_path(uri)
-        if self.read_marker(path) is not None:
-            return path / CHECKPOINTS
-        if path.name == CHECKPOINTS and re.fullmatch(r"try-\d+", path.parent.name or ""):
-            if self.read_marker(path.parent) is None:
-                raise ArtifactError(
-                    "Cannot resume from %s: its run never committed its artifacts (no %s in %s). Pick a "
-                    "committed try folder." % (path, MARKER, path.parent)
-                )
-        elif re.fullmatch(r"try-\d+", path.name or ""):
-            raise ArtifactError("Cannot resume from %s: it holds no committed artifacts (no %s)." % (path, MARKER))
-        return path
-
     def download(self, source: ObjectStoragePath | str, prefix: str = "hvd-resume-") -> str:
         """Copy a stored checkpoint folder (or file) to a new local temporary folder; return its path.
 
         Every file lands inside that folder: a name that would leave it is an ``ArtifactError``,
         and links in a local store are not followed.
         """
-        src = self.storage_path(source) if isinstance(source, str) else source
+        src = store.storage_path(source) if isinstance(source, str) else source
         if not src.exists():
             raise ArtifactError("Cannot resume from %s: it does not exist." % src)
         local = Path(tempfile.mkdtemp(prefix=prefix))
@@ -502,12 +405,6 @@ class _JvmLines(threading.Thread):
         elif not line[:1].isspace() and not line.startswith(("Caused by", "...")):
             self._level = logging.INFO
         self._logger.log(self._level, "%s", line)
-
-
-def _upload(local: Path, dest: ObjectStoragePath) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with local.open("rb") as src, dest.open("wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def _is_link(path: ObjectStoragePath) -> bool:

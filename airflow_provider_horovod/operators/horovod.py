@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import Asset, BaseOperator
 
-from airflow_provider_horovod.hooks.horovod import CHECKPOINTS, HorovodRunnerHook
-from airflow_provider_horovod.runner.artifacts import TIMELINE, Limits
+from airflow_provider_horovod import store
+from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
+from airflow_provider_horovod.runner.artifacts import Limits
+from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
 from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, check_options
 from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
 
@@ -26,7 +28,6 @@ RESUME_NEVER = "never"
 METADATA = ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "duration_s")
 METADATA_XCOM_PREFIX = "horovod_"
 SMALL_RESULT_CHARS = 4096  # a result up to this size (as JSON) goes into the asset event extra
-RESULT_FILE = "result.pkl"
 
 
 class HorovodRunnerOperator(BaseOperator):
@@ -41,9 +42,11 @@ class HorovodRunnerOperator(BaseOperator):
     their own keys, ``horovod_<name>``, by every try that got as far as storing its artifacts
     (failed and cancelled ones included).
 
-    Artifacts go to ``<artifact_root>/<dag_id>/<run_id>/<task_id>/try-<n>/``. A retry, or a clear
-    of the task in the UI, starts a new ``try-<n>`` folder and (with ``resume="auto"``) hands the
-    newest committed checkpoint of the earlier tries to the ranks as ``runtime.resume_dir()``.
+    Artifacts go to ``<artifact_root>/<dag_id>/<run_id>/<task_id>/try-<n>/``. Each checkpoint rank 0
+    completes is committed there while training runs, as a version (``versions/<seq>/``). A retry,
+    or a clear of the task in the UI, starts a new ``try-<n>`` folder and (with ``resume="auto"``)
+    hands the newest committed checkpoint of the earlier tries, a killed try's included, to the
+    ranks as ``runtime.resume_dir()``.
 
     .. seealso:: ``docs/how-to.md``
 
@@ -71,6 +74,8 @@ class HorovodRunnerOperator(BaseOperator):
     :param max_artifact_bytes: the most rank 0's artifacts may hold (1 TiB by default); more fails
         the try with ``ArtifactError`` rather than fill the Airflow worker's disk.
     :param max_artifact_files: the most files rank 0's artifacts may hold (100 000 by default).
+    :param keep_checkpoints: how many committed checkpoint versions each try keeps (2 by default);
+        older ones are pruned only after a newer one is committed.
     """
 
     template_fields: Sequence[str] = (
@@ -105,6 +110,7 @@ class HorovodRunnerOperator(BaseOperator):
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         max_artifact_bytes: int = Limits.max_bytes,
         max_artifact_files: int = Limits.max_files,
+        keep_checkpoints: int = DEFAULT_KEEP,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -126,6 +132,7 @@ class HorovodRunnerOperator(BaseOperator):
         self.start_timeout = start_timeout
         self.max_artifact_bytes = max_artifact_bytes
         self.max_artifact_files = max_artifact_files
+        self.keep_checkpoints = check_keep(keep_checkpoints)
 
     @cached_property
     def hook(self) -> HorovodRunnerHook:
@@ -135,12 +142,13 @@ class HorovodRunnerOperator(BaseOperator):
         np = validate_np(self.np)
         self.hook.check_job(self.training_callable, self.op_args, self.op_kwargs)
         self._push_links(context)
-        store = self._try_folder(context)
-        source, resume_from = self._resume_from(store, context["ti"].try_number)
+        folder = self._try_folder(context)
+        source, resume_from = self._resume_from(folder, context)
         self._push_spark_ui(context, np)
         with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local:
-            result, last_run, error = self._train(np, local, resume_from)
-            xcom = self._store(store, local, result, last_run, context["ti"].try_number, error, source)
+            result, last_run, error = self._train(np, local, resume_from, self._version_sink(folder, context))
+            xcom = self._store(folder, local, result, last_run, context["ti"].try_number, error, source)
+        self._record_final_checkpoint(folder, context)
         self._push_metadata(context, xcom)
         self._log_summary(xcom, last_run, source, error)
         if error is not None:
@@ -152,27 +160,57 @@ class HorovodRunnerOperator(BaseOperator):
     def _try_folder(self, context: Context) -> ObjectStoragePath:
         ti = context["ti"]
         map_index = getattr(ti, "map_index", -1)
-        folder = self.hook.try_folder(
-            self.artifact_root, dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id,
-            try_number=ti.try_number, map_index=map_index if isinstance(map_index, int) else -1,
+        folder = store.prepare_try(
+            self.artifact_root or self.hook.default_artifact_root(), dag_id=ti.dag_id, run_id=ti.run_id,
+            task_id=ti.task_id, try_number=ti.try_number, map_index=map_index if isinstance(map_index, int) else -1,
         )
         self.log.info("Artifacts of this try go to %s", folder)
         return folder
 
-    def _resume_from(self, store: ObjectStoragePath, try_number: int) -> tuple[ObjectStoragePath | None, str | None]:
-        """The checkpoint to resume from (``None``: from scratch) and its local copy."""
+    def _resume_from(self, folder: ObjectStoragePath, context: Context) -> tuple[store.Checkpoint | None, str | None]:
+        """The checkpoint to resume from (``None``: from scratch) and its local copy: on a retry,
+        what ``task_state_store`` recorded, else the newest checkpoint the store scan finds."""
+        try_number = context["ti"].try_number
         if self.resume in (None, "", RESUME_NEVER):
             return None, None
         if self.resume == RESUME_AUTO:
-            source = self.hook.latest_checkpoint(store, try_number) if try_number > 1 else None
+            source = None
+            if try_number > 1:
+                source = store.recorded_checkpoint(_state_store(context)) or store.latest_checkpoint(folder, try_number)
             if source is None:
                 if try_number > 1:
                     self.log.info("No committed checkpoint in earlier tries: starting from scratch.")
                 return None, None
         else:
-            source = self.hook.checkpoint_at(str(self.resume))
-        self.log.info("Resuming from checkpoint %s", source)
-        return source, self.hook.download(source)
+            source = store.Checkpoint(store.checkpoint_at(str(self.resume)), None)
+        self.log.info("Resuming from checkpoint %s", source.describe())
+        return source, self.hook.download(source.path)
+
+    def _version_sink(self, folder: ObjectStoragePath, context: Context) -> Callable[[Any, Any], None]:
+        """What the engine calls with each checkpoint version it committed: into the store at
+        once, then recorded in ``task_state_store`` for the next try."""
+        state, try_number = _state_store(context), context["ti"].try_number
+
+        def commit(version: Any, local: Any) -> None:
+            path = store.commit_version(folder, local, version, keep=self.keep_checkpoints)
+            self.log.info("Committed checkpoint version %d (step %s, %d bytes) to %s", version.seq, version.step,
+                          version.size, path)
+            try:
+                store.record_checkpoint(state, store.Checkpoint(path, try_number, version.step, version.seq))
+            except Exception as err:  # noqa: BLE001 - the store scan still finds it
+                self.log.warning("Could not record checkpoint version %d in task_state_store: %s", version.seq, err)
+
+        return commit
+
+    def _record_final_checkpoint(self, folder: ObjectStoragePath, context: Context) -> None:
+        """A try that ended with its ``checkpoints/`` stored: that is newer than its last version."""
+        newest = store.newest_checkpoint(folder)
+        if newest is None or newest.seq is not None:
+            return
+        try:
+            store.record_checkpoint(_state_store(context), newest)
+        except Exception as err:  # noqa: BLE001 - the store scan still finds it
+            self.log.warning("Could not record the try's checkpoint in task_state_store: %s", err)
 
     def _push_links(self, context: Context) -> None:
         """Each link's key exists from the start (a task that fails early logs no `XCom not found`);
@@ -184,7 +222,8 @@ class HorovodRunnerOperator(BaseOperator):
         if np > 0:  # builds the SparkSession: its application is known before the job starts
             SparkUILink().persist(context, self.hook.history_server_url(self.hook.get_conn()))
 
-    def _train(self, np: int, local_dir: str, resume_from: str | None) -> tuple[Any, dict[str, Any], BaseException | None]:
+    def _train(self, np: int, local_dir: str, resume_from: str | None,
+               on_checkpoint: Callable[[Any, Any], None]) -> tuple[Any, dict[str, Any], BaseException | None]:
         from airflow_provider_horovod import ArtifactError, HorovodRunError
 
         try:
@@ -193,7 +232,8 @@ class HorovodRunnerOperator(BaseOperator):
                 launcher=self.launcher, driver_log_verbosity=self.driver_log_verbosity, env=dict(self.env),
                 timeline=self.timeline, artifact_dir=local_dir, resume_from=resume_from,
                 start_timeout=self.start_timeout, max_artifact_bytes=self.max_artifact_bytes,
-                max_artifact_files=self.max_artifact_files,
+                max_artifact_files=self.max_artifact_files, keep_checkpoints=self.keep_checkpoints,
+                on_checkpoint=on_checkpoint,
             )
             return result, last_run, None
         except (HorovodRunError, ArtifactError) as err:  # store what the failed try left, then re-raise
@@ -206,8 +246,8 @@ class HorovodRunnerOperator(BaseOperator):
             if resume_from:
                 shutil.rmtree(resume_from, ignore_errors=True)
 
-    def _store(self, store: ObjectStoragePath, local: str, result: Any, last_run: dict[str, Any],
-               try_number: int, error: BaseException | None, resumed_from: ObjectStoragePath | None) -> dict[str, Any]:
+    def _store(self, folder: ObjectStoragePath, local: str, result: Any, last_run: dict[str, Any],
+               try_number: int, error: BaseException | None, resumed_from: store.Checkpoint | None) -> dict[str, Any]:
         import cloudpickle
 
         xcom_result: Any = None
@@ -216,24 +256,26 @@ class HorovodRunnerOperator(BaseOperator):
             if _is_json(result):
                 xcom_result = result
             else:  # stored beside the artifacts, never written into the engine's committed folder
-                extra_files[RESULT_FILE] = cloudpickle.dumps(result)
-                xcom_result = {"artifact_uri": str(store / RESULT_FILE), "type": _type_name(result), "format": "cloudpickle"}
+                extra_files[store.RESULT_FILE] = cloudpickle.dumps(result)
+                xcom_result = {"artifact_uri": str(folder / store.RESULT_FILE), "type": _type_name(result),
+                               "format": "cloudpickle"}
         status = "success" if error is None else ("cancelled" if last_run.get("status") == "cancelled" else "failed")
         marker = {
             "status": status, "try_number": try_number, "np": last_run.get("np"), "run_id": last_run.get("run_id"),
             "launcher": self.launcher, "duration_s": last_run.get("duration_s"),
-            "resumed_from": str(resumed_from) if resumed_from is not None else None,
+            "resumed_from": str(resumed_from.path) if resumed_from is not None else None,
+            "resumed_from_try": resumed_from.try_number if resumed_from is not None else None,
+            "resumed_from_step": resumed_from.step if resumed_from is not None else None,
             "error": _failure(error, last_run) if error is not None else None,
         }
-        committed = self.hook.store_artifacts(local, store, marker, extra_files=extra_files)
-        files = set(committed["stored_files"])
-        checkpoint_uri = str(store / CHECKPOINTS) if any(f.startswith(CHECKPOINTS + "/") for f in files) else None
-        timeline_uri = str(store / TIMELINE) if TIMELINE in files else None
-        self.log.info("Stored %d artifact files in %s (%s)", len(files), store, status)
+        committed = store.store_try(local, folder, marker, extra_files=extra_files)
+        newest = store.newest_checkpoint(folder)
+        timeline_uri = str(folder / store.TIMELINE) if store.TIMELINE in committed.stored_files else None
+        self.log.info("Stored %d artifact files in %s (%s)", len(committed.stored_files), folder, status)
         return {
             "result": xcom_result,
-            "artifacts_uri": str(store),
-            "checkpoint_uri": checkpoint_uri,
+            "artifacts_uri": str(folder),
+            "checkpoint_uri": str(newest.path) if newest is not None else None,
             "timeline_uri": timeline_uri,
             "spark_ui_url": last_run.get("spark_ui_url"),
             "np": last_run.get("np", validate_np(self.np)),
@@ -253,9 +295,14 @@ class HorovodRunnerOperator(BaseOperator):
             "Horovod summary: %s; %s ranks with %s in %s s; resumed from %s; artifacts in %s (checkpoint: %s, timeline: %s)",
             "succeeded" if error is None else "cancelled" if last_run.get("status") == "cancelled" else "failed",
             xcom["np"], xcom["launcher"],
-            "%.1f" % duration if isinstance(duration, (int, float)) else "?", resumed_from or "nothing (a fresh start)",
+            "%.1f" % duration if isinstance(duration, (int, float)) else "?",
+            resumed_from.describe() if resumed_from is not None else "nothing (a fresh start)",
             xcom["artifacts_uri"], xcom["checkpoint_uri"] or "none", xcom["timeline_uri"] or "none",
         )
+        versions = last_run.get("checkpoints") or []
+        if versions:
+            self.log.info("Checkpoint versions committed during this try: %s",
+                          ", ".join("%d (step %s)" % (v["seq"], v["step"]) for v in versions))
 
     def _emit_asset_events(self, context: Context, xcom: dict[str, Any]) -> None:
         extra = {k: xcom[k] for k in ("checkpoint_uri", "timeline_uri", "try_number", "artifacts_uri")}
@@ -269,6 +316,12 @@ class HorovodRunnerOperator(BaseOperator):
         """SIGTERM, execution_timeout or "mark failed": interrupt the Spark job and kill every rank."""
         self.log.info("Cancelling the Horovod job")
         self.hook.cancel()
+
+
+def _state_store(context: Context) -> Any:
+    """Airflow 3.3's ``task_state_store`` of this task instance, where this Airflow has one."""
+    state = context.get("task_state_store")
+    return state if callable(getattr(state, "get", None)) and callable(getattr(state, "set", None)) else None
 
 
 def validate_np(np: Any) -> int:

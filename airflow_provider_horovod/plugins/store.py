@@ -1,8 +1,7 @@
 """What the Horovod view reads: the committed try folders of one task instance, and nothing else.
 
-A task instance's folders are ``<root>/<dag_id>/<run_id>/<task_id>[/map-<i>]/try-<n>/`` (the
-layout ``HorovodRunnerHook.try_folder`` writes), under ``[horovod] artifact_root`` or one of
-``[horovod] view_extra_roots``. No path a request names is ever opened as given:
+A task instance's folders are the layout of ``airflow_provider_horovod.store``, under
+``[horovod] artifact_root`` or one of ``[horovod] view_extra_roots``. No path a request names is ever opened as given:
 
 * every id must be one path component (no ``/``, ``\\``, NUL, ``.`` or ``..``), else 400;
 * a file is served only when the try's marker (``_ARTIFACTS.json``, written last) lists it;
@@ -16,17 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
-import re
 from typing import TYPE_CHECKING, Any
 
-from airflow_provider_horovod.runner.artifacts import MARKER, TIMELINE
+from airflow_provider_horovod import store
+from airflow_provider_horovod.store import MARKER, TIMELINE
 
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
 
-TRY_FOLDER = re.compile(r"^try-([1-9][0-9]{0,6})$")
 MAX_TIMELINE_BYTES = 256 << 20  # drawn in the API server's memory; larger ones are only downloadable
 
 
@@ -81,14 +80,15 @@ class Try:
     def committed(self) -> bool:
         return self.marker is not None
 
+    @functools.cached_property
+    def _listed(self) -> frozenset[str]:
+        """Read from the marker once per request (not once per file)."""
+        parsed = store.TryMarker.from_json(self.marker) if self.marker else None
+        return frozenset(n for n in (parsed.stored_files if parsed else ()) if _relative_ok(n))
+
     def listed(self) -> list[str]:
         """The files the marker says were stored: the only ones this view serves."""
-        if not self.marker:
-            return []
-        names = self.marker.get("stored_files")
-        if not isinstance(names, list):
-            names = [f.get("path") for f in self.marker.get("files") or [] if isinstance(f, dict)]
-        return sorted({n for n in names if isinstance(n, str) and _relative_ok(n)})
+        return sorted(self._listed)
 
     def files(self) -> list[StoredFile]:
         out = []
@@ -98,9 +98,18 @@ class Try:
                 out.append(StoredFile(rel, _size(path)))
         return out
 
+    def versions(self) -> list[dict[str, Any]]:
+        """The checkpoint versions committed during this try (a killed try's too), oldest first."""
+        if self.folder.protocol in ("file", "local", ""):
+            with contextlib.suppress(NotFound):
+                _check_local(str(self.folder.path), str((self.folder / store.VERSIONS).path))
+                return store.describe_versions(self.folder)
+            return []
+        return store.describe_versions(self.folder)
+
     def file(self, rel: str) -> ObjectStoragePath:
         """The stored file ``rel`` of this try; ``NotFound`` unless the marker lists it and it is safe."""
-        if rel not in self.listed():
+        if rel not in self._listed:
             raise NotFound(rel)
         path = self.folder / rel
         if path.protocol in ("file", "local", ""):
@@ -111,7 +120,7 @@ class Try:
 
     def timeline_events(self) -> list[dict[str, Any]] | None:
         """The stored timeline's events, or ``None`` when this try has none (or it is too large to draw)."""
-        if TIMELINE not in self.listed():
+        if TIMELINE not in self._listed:
             return None
         path = self.file(TIMELINE)
         size = _size(path)
@@ -133,18 +142,12 @@ class TaskArtifacts:
 
     @classmethod
     def find(cls, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> TaskArtifacts:
-        from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
-
-        parts = [component(dag_id, "dag_id"), component(run_id, "run_id"), component(task_id, "task_id")]
-        if map_index >= 0:
-            parts.append("map-%d" % map_index)
+        ids = (component(dag_id, "dag_id"), component(run_id, "run_id"), component(task_id, "task_id"))
         for root in roots():
-            folder = HorovodRunnerHook.storage_path(root)
-            for part in parts:
-                folder = folder / part
+            folder = store.task_folder(root, *ids, map_index)
             if folder.protocol in ("file", "local", ""):
                 with contextlib.suppress(NotFound):
-                    _check_local(str(HorovodRunnerHook.storage_path(root).path), str(folder.path))
+                    _check_local(str(store.storage_path(root).path), str(folder.path))
                     if folder.is_dir():
                         return cls(folder)
                 continue
@@ -156,14 +159,8 @@ class TaskArtifacts:
     def tries(self) -> list[Try]:
         if self.folder is None:
             return []
-        found = []
-        with contextlib.suppress(Exception):
-            for child in self.folder.iterdir():
-                match = TRY_FOLDER.match(child.name)
-                if match and child.is_dir():
-                    found.append(int(match.group(1)))
         tries = []
-        for number in sorted(found):
+        for number in store.try_numbers(self.folder):
             with contextlib.suppress(NotFound):  # e.g. a try folder that is a symlink: not shown
                 tries.append(self.get(number))
         return tries
@@ -171,7 +168,7 @@ class TaskArtifacts:
     def get(self, number: int) -> Try:
         if self.folder is None or number < 1:
             raise NotFound("try %s" % number)
-        folder = self.folder / ("try-%d" % number)
+        folder = store.try_folder(self.folder, number)
         if folder.protocol in ("file", "local", ""):
             _check_local(str(self.folder.path), str(folder.path))
         if not folder.is_dir():
@@ -186,11 +183,8 @@ def _read_marker(folder: ObjectStoragePath) -> dict[str, Any] | None:
             _check_local(str(folder.path), str(marker.path))
         except NotFound:
             return None
-    try:
-        value = json.loads(marker.read_text())
-    except Exception:  # noqa: BLE001 - absent, half-written or not JSON: not committed
-        return None
-    return value if isinstance(value, dict) else None
+    parsed = store.read_marker(folder)
+    return parsed.to_json() if parsed is not None else None
 
 
 def _relative_ok(rel: str) -> bool:

@@ -30,7 +30,7 @@ from airflow.api_fastapi.core_api.security import requires_access_dag
 
 from airflow_provider_horovod.plugins.store import BadRequest, NotFound, TaskArtifacts, Try, roots
 from airflow_provider_horovod.runner import timeline as hvd_timeline
-from airflow_provider_horovod.runner.artifacts import CHECKPOINTS, MARKER, TIMELINE
+from airflow_provider_horovod.store import CHECKPOINTS, MARKER, TIMELINE
 
 TASK_ROUTE = "/dags/{dag_id}/runs/{run_id}/tasks/{task_id}"
 CHUNK = 1 << 20
@@ -138,6 +138,9 @@ def _facts(t: Try) -> dict[str, Any]:
         "launcher": marker.get("launcher"),
         "duration_s": marker.get("duration_s"),
         "resumed_from": marker.get("resumed_from"),
+        "resumed_from_try": marker.get("resumed_from_try"),
+        "resumed_from_step": marker.get("resumed_from_step"),
+        "versions": t.versions(),
         "artifacts_uri": str(t.folder),
         "files": [{"path": f.path, "size": f.size} for f in files if f.path != MARKER],
         "checkpoints": [{"path": f.path, "size": f.size} for f in files if f.path.startswith(CHECKPOINTS + "/")],
@@ -221,7 +224,7 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
  <tr><th>ranks (np)</th><td id="np">{% if facts.np is none %}?{% elif facts.np < 0 %}{{ facts.np }} <span class="muted">({{ -facts.np }} processes inside the task, no Spark job)</span>{% else %}{{ facts.np }} <span class="muted">(one per Spark barrier task)</span>{% endif %}</td></tr>
  <tr><th>launcher</th><td id="launcher">{{ facts.launcher or "?" }}</td></tr>
  <tr><th>duration</th><td id="duration">{% if facts.duration_s is not none %}{{ "%.1f"|format(facts.duration_s) }} s{% else %}?{% endif %}</td></tr>
- <tr><th>resumed from</th><td id="resumed-from">{% if facts.resumed_from %}<code>{{ facts.resumed_from }}</code>{% else %}<span class="muted">nothing (started fresh)</span>{% endif %}</td></tr>
+ <tr><th>resumed from</th><td id="resumed-from">{% if facts.resumed_from %}<code>{{ facts.resumed_from }}</code>{% if facts.resumed_from_try %} (try {{ facts.resumed_from_try }}{% if facts.resumed_from_step is not none %}, step {{ facts.resumed_from_step }}{% endif %}){% endif %}{% else %}<span class="muted">nothing (started fresh)</span>{% endif %}</td></tr>
  <tr><th>artifact folder</th><td><code id="artifacts-uri">{{ facts.artifacts_uri }}</code></td></tr>
 </table>
 {% if not facts.committed %}<p class="muted">This try has not committed its artifacts (it is running, or its worker died before the end).</p>{% endif %}
@@ -244,6 +247,9 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
 {% for f in facts.checkpoints %}<tr><td><code>{{ f.path[checkpoints|length + 1:] }}</code></td><td class="num">{{ fmt_size(f.size) }}</td>
 <td><a class="download" href="{{ url('tries', selected.number|string, 'files', f.path) }}" download>download</a></td></tr>{% endfor %}</table>
 {% else %}<p class="muted" id="no-checkpoints">Rank 0 stored no checkpoint in this try.</p>{% endif %}
+{% if facts.versions %}<table id="versions"><tr><th>version</th><th>step</th><th>size</th><th>files sent</th></tr>
+{% for v in facts.versions %}<tr><td class="num">{{ v.seq }}</td><td class="num">{{ v.step if v.step is not none else "" }}</td>
+<td class="num">{{ fmt_size(v.size) }}</td><td class="num">{{ v.sent|length }} of {{ v.files|length }}</td></tr>{% endfor %}</table>{% endif %}
 </section>
 <section><h2>All stored files</h2><table id="files">
 {% for f in facts.files %}<tr><td><code>{{ f.path }}</code></td><td class="num">{{ fmt_size(f.size) }}</td>

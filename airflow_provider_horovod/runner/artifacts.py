@@ -39,7 +39,7 @@ from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.runner import names
 from airflow_provider_horovod.runner import timeline as hvd_timeline
 
-MARKER = "_ARTIFACTS.json"
+ENGINE_MARKER = "_RUN.json"  # the engine's own marker; the store's is _ARTIFACTS.json (store.py)
 CHUNK = 4 << 20
 COPY_CHUNK = 64 << 20  # per copy_file_range call: how often a same-host copy looks for a cancel
 TIMELINE = names.TIMELINE_FILE
@@ -65,7 +65,7 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
         raise ArtifactError(
             "Cannot write artifacts to %s (%s). Choose a folder this process can create and write." % (target, err.strerror or err)
         ) from err
-    if (target / MARKER).exists():
+    if (target / ENGINE_MARKER).exists():
         raise ArtifactError(
             "%s already holds the committed artifacts of an earlier run; give each run its own folder." % target
         )
@@ -502,6 +502,19 @@ def summarize(timeline: hvd_timeline.Timeline) -> dict[str, Any]:
     }
 
 
+def draw_timeline(staging: Path) -> dict[str, Any]:
+    """The timeline's summary and picture beside it, for the marker. Rank 0 writes the timeline, so
+    one that cannot be parsed (a crafted event) is named in the marker and the commit goes on."""
+    try:
+        parsed = hvd_timeline.parse(repair_timeline(staging / TIMELINE))
+        summary, picture = json.dumps(summarize(parsed), indent=2), hvd_timeline.render_svg(parsed)
+    except (ValueError, OverflowError, TypeError, KeyError, AttributeError, RecursionError) as err:
+        return {"timeline": TIMELINE, "timeline_error": "%s: %s" % (type(err).__name__, err)}
+    (staging / SUMMARY).write_text(summary)
+    (staging / PICTURE).write_text(picture)
+    return {"timeline": TIMELINE, "timeline_summary": SUMMARY, "timeline_picture": PICTURE}
+
+
 # -- commit ---------------------------------------------------------------------------------------
 def commit(artifact_dir: Path, staging: Path, *, status: str, complete: bool, run_id: str,
            received: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -513,12 +526,8 @@ def commit(artifact_dir: Path, staging: Path, *, status: str, complete: bool, ru
                             "committed_at": time.time(), "checkpoint": None, "timeline": None}
     info.update(extra or {})
     if complete:
-        timeline = staging / TIMELINE
-        if timeline.exists():
-            parsed = hvd_timeline.parse(repair_timeline(timeline))
-            (staging / SUMMARY).write_text(json.dumps(summarize(parsed), indent=2))
-            (staging / PICTURE).write_text(hvd_timeline.render_svg(parsed))
-            info.update(timeline=TIMELINE, timeline_summary=SUMMARY, timeline_picture=PICTURE)
+        if (staging / TIMELINE).exists():
+            info.update(draw_timeline(staging))
         if (staging / CHECKPOINTS).is_dir() and any((staging / CHECKPOINTS).iterdir()):
             info["checkpoint"] = CHECKPOINTS
         for entry in sorted(staging.iterdir()):
@@ -526,13 +535,13 @@ def commit(artifact_dir: Path, staging: Path, *, status: str, complete: bool, ru
         shutil.rmtree(staging, ignore_errors=True)
     else:
         info["staging"] = staging.name
-    tmp = artifact_dir / (MARKER + ".tmp")
+    tmp = artifact_dir / (ENGINE_MARKER + ".tmp")
     tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, artifact_dir / MARKER)
+    os.replace(tmp, artifact_dir / ENGINE_MARKER)
     return info
 
 
 def read_marker(artifact_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     with contextlib.suppress(OSError, ValueError):
-        return json.loads((Path(artifact_dir) / MARKER).read_text())
+        return json.loads((Path(artifact_dir) / ENGINE_MARKER).read_text())
     return None

@@ -36,6 +36,7 @@ from airflow_provider_horovod.runner.host import (
 )
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan
+from airflow_provider_horovod.runner.shipper import ship_checkpoints
 
 ERROR_MARKER = "@@HVDRUNNER-ERROR@@"
 RESULT_CHUNK = 4 * 1024 * 1024
@@ -281,7 +282,8 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
             plan = coordinator.plan(task_facts(ctx, spec, partition, executor, address, task, services), spec)
             prepare(spec, plan, partition, task, services)
             coordinator.ready(plan, spec)
-            failure = launch(spec, plan, partition, task, env, services, client)
+            with ship_checkpoints(spec, task, rank0=partition == 0):
+                failure = launch(spec, plan, partition, task, env, services, client)
         except Stopped:
             pass
         except Exception as err:  # noqa: BLE001 - with the channel, the driver hears it as this task's report
@@ -292,7 +294,8 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
                 executor=executor, exception="%s: %s" % (type(err).__name__, err), traceback=traceback.format_exc())
         mine = [s for s in plan.slots if s.partition == partition] if plan else []
         if any(s.rank == 0 for s in mine):
-            upload_artifacts(spec, task)  # after a failure too: the last good checkpoint matters
+            uploaded = upload_artifacts(spec, task)  # after a failure too: the last good checkpoint matters
+            failure = failure or uploaded
         failed = failure is not None or client.stopped.is_set()
         coordinator.finish(failure, rank_tails(mine) if failed else {})
         rows: list[dict[str, Any]] = []
@@ -327,13 +330,16 @@ def run_local(spec: RunSpec, np: int) -> bytes:
         task.payload.write_bytes(spec.payload)
         hand_over_rank_keys(spec, list(plan.slots))
         env = base_env(spec, task)
-        if spec.launcher == "gloo":
-            rendezvous = Rendezvous("127.0.0.1")
-            rendezvous.init(plan)
-            failure = run_ranks(spec, plan, list(plan.slots), task, env, rendezvous=("127.0.0.1", rendezvous.port))
-        else:
-            failure = run_ranks(spec, plan, list(plan.slots), task, env, mpirun=mpirun_argv(None, np=np, networks=plan.networks))
-        upload_artifacts(spec, task)
+        with ship_checkpoints(spec, task, rank0=True):
+            if spec.launcher == "gloo":
+                rendezvous = Rendezvous("127.0.0.1")
+                rendezvous.init(plan)
+                failure = run_ranks(spec, plan, list(plan.slots), task, env, rendezvous=("127.0.0.1", rendezvous.port))
+            else:
+                failure = run_ranks(spec, plan, list(plan.slots), task, env,
+                                    mpirun=mpirun_argv(None, np=np, networks=plan.networks))
+        uploaded = upload_artifacts(spec, task)
+        failure = failure or uploaded
         if failure is not None:
             raise TaskFailure(failure.with_tail(rank_tails([s for s in plan.slots if s.rank == failure.rank]).get(str(failure.rank), [])))
         return task.result.read_bytes()

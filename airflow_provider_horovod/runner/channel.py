@@ -81,7 +81,7 @@ class RankOutput:
 _ALLOWED = {
     wire.ROLE_RANK: {names.MSG_LOGS, names.MSG_ERROR, names.MSG_EVENT},
     wire.ROLE_TASK: {names.MSG_HELLO, names.MSG_FACTS, names.MSG_READY, names.MSG_FINISHED, names.MSG_ERROR,
-                     names.MSG_EVENT, names.MSG_LOGS, names.MSG_PUT, names.MSG_FETCH_RESUME},
+                     names.MSG_EVENT, names.MSG_LOGS, names.MSG_PUT, names.MSG_FETCH_RESUME, names.MSG_PUT_VERSION},
 }
 TRANSFER_TIMEOUT_S = 60.0  # a transfer's peer sends a frame or a heartbeat well within this
 
@@ -99,7 +99,10 @@ class Channel:
         artifact_staging: Path | None = None,
         resume_root: Path | None = None,
         limits: Limits = Limits(),
+        versions: Any = None,
     ) -> None:
+        """``versions``: where rank 0's checkpoint versions are committed (``versions.VersionSink``)."""
+        self._versions = versions
         self._keys = wire.server_keys(secret, wire.ROLE_TASK, wire.ROLE_RANK)
         self._run_id = run_id
         self._limits = limits
@@ -211,6 +214,9 @@ class Channel:
                     with self._lock:
                         self._tasks[partition] = conn
                     self._emit(TaskStarted(partition, str(msg.get("executor"))))
+                elif kind == names.MSG_PUT_VERSION:
+                    conn.sock.settimeout(TRANSFER_TIMEOUT_S)
+                    self._receive_version(conn, msg)
                 elif kind in (names.MSG_PUT, names.MSG_FETCH_RESUME):
                     # a transfer connection: never sent orders (only tasks' own connections are)
                     conn.sock.settimeout(TRANSFER_TIMEOUT_S)
@@ -287,13 +293,32 @@ class Channel:
         self._emit(UploadFinished())  # everything is in staging, whether or not the receipt reaches the task
         conn.send({"ok": True, "files": len(self.received)})
 
+    def _receive_version(self, conn: wire.ServerConnection, msg: dict[str, Any]) -> None:
+        """One checkpoint version from rank 0's task: its changed files, then commit (``VersionSink``)."""
+        sink = self._versions
+        if sink is None:
+            conn.recv()  # the offer
+            conn.send({"mode": "none"})
+            conn.send({"received": 0})
+            conn.send({"ok": False, "error": "this run collects no artifacts"})
+            return
+        with sink.lock:
+            staging = sink.fresh_staging()
+            _mode, received = take_tree(conn, staging, allow_copy=self._same_host_copy, cancelled=self._closed.is_set,
+                                        root_ok=self._may_copy_from, limits=self._limits)
+            conn.send({"received": len(received)})
+            intact = conn.recv().get("intact") is True
+            error = sink.commit(msg, [f["path"] for f in received]) if intact else \
+                "a file changed while it was sent (rewritten in place); a newer version follows"
+        conn.send({"ok": error is None, "error": error})
+
     def _chose(self, mode: str) -> None:
         self.transport = mode
 
     def _may_copy_from(self, root: Path) -> bool:
         """Only the ``artifacts`` folder of this run's rank 0 task (the plan's, once there is one)."""
         task_dir = root.parent
-        if root.name != names.ARTIFACTS_DIR or not self._run_id:
+        if root.name not in (names.ARTIFACTS_DIR, names.OUTBOX_DIR) or not self._run_id:
             return False
         if self._artifacts_task_dir is not None:
             return task_dir == self._artifacts_task_dir

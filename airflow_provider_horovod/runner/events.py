@@ -135,7 +135,9 @@ class RunReport(Mapping):
     timeline_path: str | None = None
     timeline_summary_path: str | None = None
     timeline_picture_path: str | None = None
-    checkpoint_path: str | None = None
+    checkpoint_path: str | None = None  # the newest complete checkpoint: checkpoints/ at the end, else a version
+    checkpoints: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # versions committed during the run
+    checkpoint_errors: list[str] = dataclasses.field(default_factory=list)  # versions the store did not take
     artifact_transport: str | None = None  # "copy" (same host), "stream", or None
     artifact_transfer_s: float | None = None
     artifact_bytes: int = 0

@@ -247,8 +247,10 @@ def rank_tails(slots: list[Slot]) -> dict[str, list[str]]:
     return out
 
 
-def upload_artifacts(spec: RunSpec, task: TaskDir) -> None:
-    """Hand rank 0's artifacts (checkpoints, timeline) to the driver; bounded, never raises.
+def upload_artifacts(spec: RunSpec, task: TaskDir) -> Failure | None:
+    """Hand rank 0's artifacts (checkpoints, timeline) to the driver; bounded. A hand-over that
+    fails is the run's failure (returned, never raised): a run must not end as a success with a
+    complete, empty marker while its checkpoint stayed behind.
 
     The driver copies them itself when it can prove it sees this folder (same host), otherwise
     they are streamed over the channel.
@@ -256,8 +258,8 @@ def upload_artifacts(spec: RunSpec, task: TaskDir) -> None:
     from airflow_provider_horovod.runner.artifacts import offer_tree
 
     if not spec.collect_artifacts or spec.channel is None:
-        return
-    with contextlib.suppress(OSError, ValueError):
+        return None
+    try:
         conn = wire.connect(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), timeout=10)
         try:
             conn.sock.settimeout(60)  # the driver answers, or sends a heartbeat, well within this
@@ -265,6 +267,11 @@ def upload_artifacts(spec: RunSpec, task: TaskDir) -> None:
             offer_tree(conn, task.artifacts, task.path)
         finally:
             conn.close()
+    except (OSError, ValueError) as err:
+        return Failure(message="Rank 0's artifacts (checkpoints, timeline) did not reach the driver at %s:%d: %s"
+                       % (spec.channel[0], spec.channel[1], err or type(err).__name__), rank=0,
+                       exception="%s: %s" % (type(err).__name__, err))
+    return None
 
 
 def fetch_resume(spec: RunSpec, dest: Path) -> None:

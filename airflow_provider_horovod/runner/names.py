@@ -59,6 +59,8 @@ ARTIFACTS_DIR = "artifacts"  # rank 0's: what comes back to the driver
 SCRATCH_DIR = "scratch-rank-%d"  # every other rank's: thrown away
 RESUME_DIR = "resume"  # the host's copy of resume_from (in its first task's folder)
 CHECKPOINTS_DIR = "checkpoints"
+OUTBOX_DIR = "outbox"  # rank 0's task: the checkpoint version on its way to the driver (shipper.py)
+COMMITS_DIR = "commits"  # rank 0's task: runtime.commit_checkpoint's snapshot, until shipped
 TIMELINE_FILE = "timeline.json"
 
 
@@ -138,3 +140,4 @@ MSG_ERROR = "error"  # rank/task -> driver: a failure report
 MSG_EVENT = "event"  # task -> driver: something to record (orted launched, ...)
 MSG_PUT = "put"  # rank 0's task -> driver: its artifacts follow
 MSG_FETCH_RESUME = "fetch-resume"  # task -> driver: send resume_from
+MSG_PUT_VERSION = "put-version"  # rank 0's task -> driver: one checkpoint version follows

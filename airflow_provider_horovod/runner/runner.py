@@ -30,6 +30,8 @@ from airflow_provider_horovod.runner.host import RunSpec
 from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, check_options
 from airflow_provider_horovod.runner.payload import build_payload, describe
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
+from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, Version, VersionSink, check_keep
+from airflow_provider_horovod.runner.versions import committed as committed_versions
 from airflow_provider_horovod.runner.supervisor import (
     Action,
     CutOff,
@@ -95,6 +97,11 @@ class HorovodRunner:
     :param max_artifact_bytes: the most rank 0's artifacts may hold (1 TiB by default); a larger
         hand-over fails the run with ``ArtifactError`` rather than fill the driver's disk.
     :param max_artifact_files: the most files rank 0's artifacts may hold (100 000 by default).
+    :param keep_checkpoints: with ``artifact_dir``, how many checkpoint versions committed during
+        the run are kept in ``artifact_dir/versions/`` (2 by default; ``last_run.checkpoints``
+        lists every one committed).
+    :param on_checkpoint: called with each committed ``Version`` and its folder, from a thread of
+        the driver, before older versions are pruned (the operator stores it there).
     """
 
     def __init__(
@@ -111,6 +118,8 @@ class HorovodRunner:
         resume_from: str | os.PathLike[str] | None = None,
         max_artifact_bytes: int = Limits.max_bytes,
         max_artifact_files: int = Limits.max_files,
+        keep_checkpoints: int = DEFAULT_KEEP,
+        on_checkpoint: Callable[[Version, Path], None] | None = None,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise ValueError("np must be a non-zero int (np > 0: barrier tasks, np < 0: local processes); got %r" % (np,))
@@ -125,6 +134,8 @@ class HorovodRunner:
         if resume_from is not None and not Path(resume_from).is_dir():
             raise ValueError("resume_from must be an existing folder; %s is not" % (resume_from,))
         self.artifact_limits = Limits(max_bytes=max_artifact_bytes, max_files=max_artifact_files)
+        self.keep_checkpoints = check_keep(keep_checkpoints)
+        self.on_checkpoint = on_checkpoint
         self.np = np
         self.launcher = launcher
         self.driver_log_verbosity = driver_log_verbosity
@@ -161,8 +172,10 @@ class HorovodRunner:
         if self._cancelled.is_set():
             events.put(CancelRequested())
         secret = wire.new_secret()
+        sink = VersionSink(artifact_dir, keep=self.keep_checkpoints, limits=self.artifact_limits,
+                           on_commit=self.on_checkpoint) if artifact_dir else None
         channel = Channel(secret, run_id=run_id, on_event=events.put, artifact_staging=staging,
-                          resume_root=self.resume_from, limits=self.artifact_limits,
+                          resume_root=self.resume_from, limits=self.artifact_limits, versions=sink,
                           output=RankOutput(stream_all=self.driver_log_verbosity == "all"))
         sup: Supervisor | None = None
         result = None
@@ -191,7 +204,7 @@ class HorovodRunner:
         finally:
             if artifact_dir is not None and staging is not None:
                 upload = sup.upload if sup is not None else "none"
-                self._commit(artifact_dir, staging, channel, upload, report, result)
+                self._commit(artifact_dir, staging, channel, upload, report, result, sink)
         report.result = result
         return result
 
@@ -348,11 +361,15 @@ class HorovodRunner:
         return self._collect(job.value, channel)
 
     def _commit(self, artifact_dir: Path, staging: Path, channel: Channel, upload: str, report: RunReport,
-                result: Any) -> None:
-        """The engine's one commit point: what rank 0 handed over goes into ``artifact_dir``, marker last."""
+                result: Any, sink: VersionSink) -> None:
+        """The end of the run's commits: what rank 0 handed over last goes into ``artifact_dir``,
+        marker last (each checkpoint version was committed as it came, by ``sink``)."""
+        with sink.lock:  # a version still being committed comes first
+            report.checkpoints = [v.to_json() for v in sink.committed]
+            report.checkpoint_errors = list(sink.errors)
         complete = upload == "done" and channel.upload_error is None
-        if upload == "none" and report.status == "success":
-            complete = True  # nothing to send (no checkpoint, no timeline): an empty, complete run
+        if upload == "none" and report.status == "success" and channel.address is None:
+            complete = True  # no channel to hand anything over (Spark's fallback): an empty, complete run
             staging.mkdir(parents=True, exist_ok=True)
         try:
             info = commit(artifact_dir, staging, status=report.status, complete=complete, run_id=report.run_id,
@@ -365,15 +382,18 @@ class HorovodRunner:
         report.artifact_transfer_s = channel.upload_seconds
         report.artifact_transport = channel.transport
         report.artifact_bytes = sum(f["size"] for f in channel.received)
-        if info.get("timeline"):
+        if info.get("timeline_summary"):
             report.timeline_path = str(artifact_dir / info["timeline"])
             report.timeline_summary_path = str(artifact_dir / info["timeline_summary"])
             report.timeline_picture_path = str(artifact_dir / info["timeline_picture"])
         if info.get("checkpoint"):
             report.checkpoint_path = str(artifact_dir / info["checkpoint"])
-        if channel.upload_error is not None and report.status == "success":
+        elif committed_versions(artifact_dir):
+            report.checkpoint_path = str(committed_versions(artifact_dir)[-1][1])
+        if not info["complete"] and report.status == "success":
             raise ArtifactError("Rank 0's artifacts did not reach %s (%s); the run itself succeeded."
-                                % (artifact_dir, channel.upload_error), result=result)
+                                % (artifact_dir, channel.upload_error or "rank 0's task never handed them over"),
+                                result=result)
 
     # -- checks ---------------------------------------------------------------------------------
     def _check_conf(self, spark: Any) -> None:

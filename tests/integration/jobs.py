@@ -220,3 +220,33 @@ def checkpoint_then_sleep_job(step: int = 5, marker: str = ""):
         if marker:
             open(marker, "w").close()
     time.sleep(600)
+
+
+def durable_job(steps: int = 4, pause: float = 0.5, explicit: bool = False, marker: str = ""):
+    """Rank 0 saves a checkpoint each step (``step.txt``, and ``weights.bin`` that changes only every
+    other step), renamed into place or committed with ``runtime.commit_checkpoint``, then trains on
+    for ``pause`` s; resumes after the step in ``resume_dir()``. ``marker``: touched after each step."""
+    import horovod.torch as hvd
+    import torch
+
+    from airflow_provider_horovod import runtime
+
+    hvd.init()
+    resume = runtime.resume_dir()
+    start = int((resume / "step.txt").read_text()) + 1 if resume is not None and (resume / "step.txt").exists() else 0
+    ckpt = runtime.checkpoint_dir()
+    for step in range(start, steps):
+        hvd.allreduce(torch.ones(1))
+        if hvd.rank() == 0:
+            if step % 2 == 0:
+                (ckpt / ".weights.bin.tmp").write_bytes(bytes([step % 256]) * 4096)
+                os.replace(ckpt / ".weights.bin.tmp", ckpt / "weights.bin")
+            (ckpt / ".step.txt.tmp").write_text(str(step))
+            os.replace(ckpt / ".step.txt.tmp", ckpt / "step.txt")
+            if explicit:
+                runtime.commit_checkpoint(step=step, loss=1.0 / (step + 1))
+            if marker:
+                with open(marker, "w") as f:
+                    f.write(str(step))
+        time.sleep(pause)
+    return {"start": start}

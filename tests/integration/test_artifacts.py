@@ -13,7 +13,7 @@ import torch
 
 from airflow_provider_horovod import ArtifactError, HorovodRunError, HorovodRunner, RunCancelledError
 from airflow_provider_horovod.runner import artifacts
-from airflow_provider_horovod.runner.artifacts import MARKER, read_marker
+from airflow_provider_horovod.runner.artifacts import ENGINE_MARKER, read_marker
 from tests.integration import jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
@@ -66,7 +66,7 @@ def test_checkpoint_round_trips_and_resumes_after_a_failed_run(spark, tmp_path, 
     final = torch.load(Path(second.last_run["checkpoint_path"]) / "epoch-3.pt")
     assert final["epoch"] == 3
     assert [w.flatten().tolist() for w in final["model"].values()] == result["weights"]
-    assert (tmp_path / "try-1" / MARKER).read_text() == json.dumps(marker, indent=2)  # earlier run untouched
+    assert (tmp_path / "try-1" / ENGINE_MARKER).read_text() == json.dumps(marker, indent=2)  # earlier run untouched
 
 
 def test_local_mode_resume_and_checkpoint(tmp_path):

@@ -189,6 +189,7 @@ def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newe
 ):
     api = airflow_deployment.api
     dag_id = "hvd_deploy_crash"
+    api.wait_dags([dag_id])  # parsed already when the whole file runs; this test also runs alone
     run_id = api.trigger(dag_id)
 
     # try 1: the function raises after rank 0's checkpoint: failed, traceback in the log, checkpoint stored
@@ -199,7 +200,14 @@ def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newe
     first_log = api.log(dag_id, run_id, "crash", 1)
     assert "RuntimeError: planned failure after checkpoint 1" in first_log and "Traceback" in first_log
 
-    # try 2 resumed from try 1 and is training: SIGKILL its task process, as a worker crash would
+    # try 2 resumed from try 1, committed checkpoint 2 as a version while training: SIGKILL its task
+    # process, as a worker crash would
+    killed_try = airflow_deployment.artifact_folder(dag_id, run_id, "crash", 2)
+    deadline = time.monotonic() + 60
+    while not list(killed_try.glob("versions/*/_VERSION.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    [committed] = [p.parent for p in killed_try.glob("versions/*/_VERSION.json")]
+    assert (committed / "step.txt").read_text() == "2"
     task_process = next(p.parent() for p in psutil.process_iter(["name"]) if p.info["name"] == "java"
                         and _ctx(p) == (dag_id, "crash", "2"))
     killed = time.monotonic()
@@ -207,12 +215,12 @@ def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newe
     assert wait_gone(dag_id, "crash", 2) == []  # the JVM sees its stdin close; the ranks' watchdogs see the task go
     assert time.monotonic() - killed <= GONE_WITHIN_S
 
-    # try 3 resumes from the newest *committed* checkpoint: try 1's (try 2 died before storing anything)
+    # try 3 resumes from the newest version committed before the kill: the killed try 2's, not try 1's
     api.wait_task(dag_id, run_id, "crash", ["success", "failed"], timeout=420, try_number=3)
     assert api.task_instance(dag_id, run_id, "crash")["state"] == "success"
-    assert api.xcom(dag_id, run_id, "crash") == {"resumed_step": 1}
-    assert not (airflow_deployment.artifact_folder(dag_id, run_id, "crash", 2) / "_ARTIFACTS.json").exists()
-    assert "Resuming from checkpoint file://%s" % (failed / "checkpoints") in api.log(dag_id, run_id, "crash", 3)
+    assert api.xcom(dag_id, run_id, "crash") == {"resumed_step": 2}
+    assert not (killed_try / "_ARTIFACTS.json").exists()  # the killed try never ended, its version is there
+    assert "Resuming from checkpoint file://%s (try 2, version 1)" % committed in api.log(dag_id, run_id, "crash", 3)
     assert wait_gone(dag_id) == []
 
 

@@ -376,6 +376,6 @@ def test_an_error_raised_into_run_by_a_signal_handler_cancels_the_run_and_keeps_
         signal.signal(signal.SIGALRM, previous)
     assert marker.exists(), "rank 0 never checkpointed"
     assert runner.last_run.status == "cancelled"
-    committed = json.loads((tmp_path / "artifacts" / "_ARTIFACTS.json").read_text())
+    committed = json.loads((tmp_path / "artifacts" / "_RUN.json").read_text())
     assert committed["status"] == "cancelled" and committed["complete"] is True
     assert (tmp_path / "artifacts" / "checkpoints" / "step.txt").read_text() == "5"

@@ -68,8 +68,8 @@ def hvd_deploy_stop():
 
 @dag(schedule=None, start_date=START, catchup=False, tags=["hvd-deployment-test"])
 def hvd_deploy_crash():
-    """Try 1 raises after its checkpoint; try 2 resumes and waits for the test to SIGKILL its task
-    process; try 3 resumes from the newest committed checkpoint, try 1's."""
+    """Try 1 raises after its checkpoint; try 2 resumes, checkpoints and waits for the test to SIGKILL
+    its task process; try 3 resumes from the newest committed checkpoint, the killed try 2's version."""
 
     @task.horovod(np=2, retries=2, retry_delay=datetime.timedelta(seconds=0))
     def crash(try_number: str):
@@ -87,7 +87,7 @@ def hvd_deploy_crash():
             raise RuntimeError("planned failure after checkpoint 1")
         step = resumed_step()
         if try_number == 2:
-            checkpoint_then_wait(step + 1)  # killed with its task process: this checkpoint is never stored
+            checkpoint_then_wait(step + 1)  # killed with its task process: committed as a version before
         return {"resumed_step": step}
 
     crash(try_number="{{ ti.try_number }}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_horovod.exceptions import ArtifactError
-from airflow_provider_horovod.hooks.horovod import MARKER, HorovodRunnerHook, SparkConnectionError
+from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook, SparkConnectionError
 
 
 @pytest.fixture(autouse=True)
@@ -140,47 +140,6 @@ def test_default_artifact_root_is_under_airflow_home(airflow_home):
 def test_artifact_root_from_provider_config(monkeypatch, tmp_path):
     monkeypatch.setenv("AIRFLOW__HOROVOD__ARTIFACT_ROOT", "file://%s/store" % tmp_path)
     assert HorovodRunnerHook.default_artifact_root() == "file://%s/store" % tmp_path
-
-
-def test_try_folder_layout(tmp_path):
-    folder = HorovodRunnerHook().try_folder(str(tmp_path), dag_id="d", run_id="manual__1", task_id="t", try_number=3)
-    assert str(folder) == "file://%s/d/manual__1/t/try-3" % tmp_path
-    assert folder.is_dir()
-
-
-def test_unwritable_artifact_root_names_the_path(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
-    with pytest.raises(ArtifactError, match="Cannot write Horovod artifacts under .*a-file.*artifact_root"):
-        HorovodRunnerHook().try_folder(str(blocker), dag_id="d", run_id="r", task_id="t", try_number=1)
-
-
-def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_checkpoint(tmp_path):
-    hook = HorovodRunnerHook()
-    root = str(tmp_path / "root")
-    local = tmp_path / "local"
-    (local / "checkpoints").mkdir(parents=True)
-    (local / "checkpoints" / "epoch-1.pt").write_bytes(b"one")
-    (local / MARKER).write_text(json.dumps({"status": "failed"}))
-    try1 = hook.try_folder(root, dag_id="d", run_id="r", task_id="t", try_number=1)
-    marker = hook.store_artifacts(local, try1, {"try_number": 1})
-    assert marker["status"] == "failed" and marker["stored_files"] == ["checkpoints/epoch-1.pt"]
-    assert json.loads((try1 / MARKER).read_text())["try_number"] == 1
-    # try 2 died before committing: its half-written checkpoint is never offered
-    try2 = hook.try_folder(root, dag_id="d", run_id="r", task_id="t", try_number=2)
-    (try2 / "checkpoints").mkdir(parents=True)
-    (try2 / "checkpoints" / "epoch-2.pt").write_bytes(b"half")
-    try3 = hook.try_folder(root, dag_id="d", run_id="r", task_id="t", try_number=3)
-    found = hook.latest_checkpoint(try3, 3)
-    assert str(found) == str(try1 / "checkpoints")
-    local_copy = hook.download(found)
-    try:
-        assert (Path(local_copy) / "epoch-1.pt").read_bytes() == b"one"
-    finally:
-        shutil.rmtree(local_copy)
-    with pytest.raises(ArtifactError, match="never committed"):
-        hook.checkpoint_at(str(try2 / "checkpoints"))
-    assert str(hook.checkpoint_at(str(try1))) == str(try1 / "checkpoints")
 
 
 def test_the_jvms_output_is_logged_at_its_log4j_level_not_as_errors(tmp_path):

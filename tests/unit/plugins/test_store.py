@@ -95,3 +95,16 @@ def test_a_task_that_stored_nothing_has_no_tries(root):
     assert artifacts.folder is None and artifacts.tries() == []
     with pytest.raises(NotFound):
         artifacts.get(1)
+
+
+def test_a_killed_try_shows_its_committed_versions(root):
+    folder = root / "dag" / "run" / "train" / "try-1"
+    version = folder / "versions" / "000003"
+    version.mkdir(parents=True)
+    (version / "model.pt").write_bytes(b"m")
+    (version / "_VERSION.json").write_text(json.dumps(
+        {"seq": 3, "step": 30, "time": 1.0, "size": 1, "files": [{"path": "model.pt", "size": 1}], "sent": ["model.pt"]}))
+    (folder / "versions" / "000004").mkdir()  # no marker: not committed, not shown
+    [only] = TaskArtifacts.find("dag", "run", "train").tries()
+    assert not only.committed
+    assert [(v["seq"], v["step"], v["size"]) for v in only.versions()] == [(3, 30, 1)]

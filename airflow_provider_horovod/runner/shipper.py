@@ -1,0 +1,274 @@
+"""Rank 0's side of durable checkpoints: notice a complete checkpoint, ship it to the driver in
+the background, coalesce what comes faster than the link.
+
+When a version is complete (the rule of ``runtime.checkpoint_dir()``):
+
+* a file is renamed into the folder (or a subfolder) from a temporary name, or written under a
+  final name and closed (inotify; a folder that looks unchanged for one poll where inotify is
+  missing); or
+* once the run has called ``runtime.commit_checkpoint()``, only its calls make versions: each
+  call hard-links the folder as it is into ``commits/<n>`` in the task folder.
+
+One thread in rank 0's barrier task (``ship_checkpoints``) hard-links the changed files into the
+task's ``outbox`` and sends them over the run's authenticated channel (``put-version``), one
+version at a time. What completes meanwhile is coalesced: one pending commit at most, replaced
+by a newer one, and the live folder is read again only when the outbox is free. Hard links cost
+no disk until training replaces a file, so rank 0's host holds the live folder and at most the
+version in flight. A file rewritten in place while it travels is caught (its size or mtime moved)
+and that version is dropped, never committed half-old, half-new.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import select
+import shutil
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_horovod.runner import names, wire
+from airflow_provider_horovod.runner.artifacts import in_progress, make_offer, send_tree
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+STOP_WAIT_S = 0.5  # at the run's end, how long a version in flight may still finish (the final hand-over has it all)
+COMMIT_MARKER = "_COMMIT.json"
+Stat = tuple[int, int, int]  # size, mtime_ns, inode
+
+
+def file_stats(folder: Path) -> dict[str, Stat]:
+    """Every finished regular file under ``folder`` (the rule's final names), links not followed."""
+    found: dict[str, Stat] = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not in_progress(d) and not os.path.islink(os.path.join(dirpath, d))]
+        for name in filenames:
+            if in_progress(name) or name == COMMIT_MARKER:
+                continue
+            path = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    found[os.path.relpath(path, folder).replace(os.sep, "/")] = (st.st_size, st.st_mtime_ns, st.st_ino)
+    return found
+
+
+def link_tree(source: Path, dest: Path, rels: list[str]) -> None:
+    """``dest/rel`` as a hard link of ``source/rel`` (a copy where the file system refuses links)."""
+    for rel in rels:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source / rel, target)
+        except OSError:
+            shutil.copy2(source / rel, target)
+
+
+# -- runtime.commit_checkpoint ------------------------------------------------------------------
+def request_commit(task: names.TaskDir, folder: Path, step: int | None, metrics: dict[str, Any]) -> None:
+    """Rank 0's call: the folder as it is now is one version. Replaces a commit not yet taken."""
+    commits = task.path / names.COMMITS_DIR
+    commits.mkdir(exist_ok=True)
+    number = time.monotonic_ns()
+    building = commits / (".%d" % number)
+    link_tree(folder, building, sorted(file_stats(folder)))
+    (building / COMMIT_MARKER).write_text(json.dumps({"step": step, "metrics": metrics, "time": time.time()}))
+    os.rename(building, commits / ("%020d" % number))
+    for older in commits.iterdir():
+        if older.name.isdigit() and int(older.name) < number:
+            shutil.rmtree(older, ignore_errors=True)
+
+
+# -- watching the folder ------------------------------------------------------------------------
+_IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE, _IN_ISDIR = 0x8, 0x80, 0x100, 0x40000000
+_EVENT = struct.Struct("iIII")
+
+
+class FolderWatch:
+    """Says when a checkpoint completed in a folder: inotify where Linux has it, else a poll."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._fd = -1
+        self._last = file_stats(folder)
+        with contextlib.suppress(OSError, AttributeError):
+            self._libc = ctypes.CDLL(None, use_errno=True)
+            self._fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._fd >= 0:
+            self._watch_tree(folder)
+
+    def _watch_tree(self, folder: Path) -> None:
+        for dirpath, dirnames, _ in os.walk(folder):
+            self._libc.inotify_add_watch(self._fd, os.fsencode(dirpath), _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE)
+            dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+
+    def wait(self, timeout: float) -> bool:
+        """True when a checkpoint completed since the last call (within ``timeout``)."""
+        if self._fd < 0:
+            return self._poll(timeout)
+        ready, _, _ = select.select([self._fd], [], [], timeout)
+        if not ready:
+            return False
+        completed = False
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                data = os.read(self._fd, 65536)
+                completed |= self._events(data)
+        return completed
+
+    def _events(self, data: bytes) -> bool:
+        completed = False
+        offset = 0
+        while offset + _EVENT.size <= len(data):
+            _wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
+            name = data[offset + _EVENT.size: offset + _EVENT.size + length].rstrip(b"\0").decode(errors="replace")
+            offset += _EVENT.size + length
+            if mask & _IN_ISDIR and mask & (_IN_CREATE | _IN_MOVED_TO):
+                self._watch_new_dirs()
+            if mask & (_IN_CLOSE_WRITE | _IN_MOVED_TO) and name and not in_progress(name):
+                completed = True
+        return completed
+
+    def _watch_new_dirs(self) -> None:
+        self._watch_tree(self.folder)  # adding a watch again is harmless (the kernel returns the same one)
+
+    def _poll(self, timeout: float) -> bool:
+        time.sleep(timeout)
+        now = file_stats(self.folder)
+        changed, self._last = now != self._last, now
+        return changed and now == file_stats(self.folder)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+# -- shipping -----------------------------------------------------------------------------------
+class Shipper(threading.Thread):
+    """Ships rank 0's checkpoint versions to the driver, one at a time, until ``stop``."""
+
+    def __init__(self, channel: tuple[str, int], secret: bytes, task: names.TaskDir) -> None:
+        super().__init__(name="hvdrunner-checkpoint-shipper", daemon=True)
+        self.task = task
+        self.folder = task.artifacts / names.CHECKPOINTS_DIR
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.outbox = task.path / names.OUTBOX_DIR
+        self._channel, self._secret = channel, secret
+        self._watch = FolderWatch(self.folder)
+        self._stopping = threading.Event()
+        self._base: dict[str, Stat] = {}  # what the driver's newest version holds
+        self.shipped = 0
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        dirty = False
+        while not self._stopping.is_set():
+            dirty |= self._watch.wait(POLL_S)
+            commit = self._take_commit()
+            if commit is not None:
+                self._ship_commit(commit)
+            elif dirty and not self._explicit():
+                dirty = False
+                self._ship_folder()
+        self._watch.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(STOP_WAIT_S)
+
+    def _explicit(self) -> bool:
+        return (self.task.path / names.COMMITS_DIR).is_dir()
+
+    def _take_commit(self) -> dict[str, Any] | None:
+        """The newest pending ``commit_checkpoint`` snapshot, moved into the outbox; older ones dropped."""
+        commits = self.task.path / names.COMMITS_DIR
+        with contextlib.suppress(OSError, ValueError):
+            pending = sorted(p for p in commits.iterdir() if p.name.isdigit())
+            if pending:
+                for older in pending[:-1]:
+                    shutil.rmtree(older, ignore_errors=True)
+                os.rename(pending[-1], self.outbox)
+                meta = json.loads((self.outbox / COMMIT_MARKER).read_text())
+                (self.outbox / COMMIT_MARKER).unlink()
+                return meta if isinstance(meta, dict) else {}
+        return None
+
+    def _changed(self, stats: dict[str, Stat]) -> list[str]:
+        return sorted(rel for rel, st in stats.items() if self._base.get(rel) != st)
+
+    def _ship_folder(self) -> None:
+        """The rename rule: the folder's finished files as they are now; only the changed ones travel."""
+        stats = file_stats(self.folder)
+        if not self._changed(stats) and set(stats) == set(self._base):
+            return
+        link_tree(self.folder, self.outbox, self._changed(stats))
+        self._ship({"step": None, "metrics": {}}, stats)
+
+    def _ship_commit(self, meta: dict[str, Any]) -> None:
+        """A ``commit_checkpoint`` snapshot: every file it holds, the unchanged ones dropped before sending."""
+        stats = file_stats(self.outbox)
+        for rel in set(stats) - set(self._changed(stats)):
+            os.unlink(self.outbox / rel)
+        self._ship(meta, stats)
+
+    def _ship(self, meta: dict[str, Any], stats: dict[str, Stat]) -> None:
+        sent = {rel: stats[rel][:2] for rel in self._changed(stats)}
+        try:
+            if self._send(meta, stats, sent):
+                self._base = stats
+                self.shipped += 1
+        except (OSError, ValueError, wire.ProtocolError) as err:
+            self.errors.append(str(err))
+            log.warning("A checkpoint version did not reach the driver: %s", err)
+        finally:
+            shutil.rmtree(self.outbox, ignore_errors=True)
+
+    def _send(self, meta: dict[str, Any], stats: dict[str, Stat], sent: dict[str, tuple[int, int]]) -> bool:
+        """One version over the channel: the header, the changed files (copied by the driver when it
+        sees this folder, else streamed), then whether they stayed as they were while they travelled."""
+        outbox = self.outbox
+        conn = wire.connect(self._channel, wire.Credentials.of(self._secret, wire.ROLE_TASK), timeout=10)
+        try:
+            conn.sock.settimeout(60)
+            conn.send({"t": names.MSG_PUT_VERSION, "step": meta.get("step"), "metrics": meta.get("metrics") or {},
+                       "manifest": {rel: st[0] for rel, st in stats.items()}})
+            offer = None
+            with contextlib.suppress(OSError):
+                offer = make_offer(outbox, self.task.path)
+            conn.send({"offer": offer})
+            if conn.recv().get("mode") == "stream":
+                send_tree(conn, outbox)
+            while "received" not in conn.recv():
+                pass  # heartbeats while the driver copies
+            conn.send({"intact": {rel: st[:2] for rel, st in file_stats(outbox).items()} == sent})
+            while "ok" not in (receipt := conn.recv()):
+                pass
+            if not receipt["ok"]:
+                raise OSError(receipt.get("error") or "the driver did not commit the version")
+            return True
+        finally:
+            conn.close()
+
+
+@contextlib.contextmanager
+def ship_checkpoints(spec: Any, task: names.TaskDir, *, rank0: bool) -> Iterator[Shipper | None]:
+    """On rank 0's task, checkpoint versions go to the driver while the body runs (a ``RunSpec``
+    that collects artifacts over a channel; nothing otherwise)."""
+    if not (rank0 and spec.collect_artifacts and spec.channel is not None):
+        yield None
+        return
+    shipper = Shipper(spec.channel, spec.secret, task)
+    shipper.start()
+    try:
+        yield shipper
+    finally:
+        shipper.stop()

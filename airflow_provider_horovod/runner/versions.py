@@ -1,0 +1,210 @@
+"""Checkpoint versions on the driver: what one version is, and how the engine commits it.
+
+Rank 0's task ships the files of ``runtime.checkpoint_dir()`` that changed since the version
+before (``shipper.py``); the driver builds the new version from those and the unchanged files of
+the version before, in ``<artifact_dir>/versions/.<seq>.partial``, writes its marker
+(``_VERSION.json``: step, time, size, files) and renames the folder to ``versions/<seq>``: one
+atomic step, so a reader never sees half a version. Older versions are pruned to
+``keep_checkpoints`` only after a newer one is committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_horovod.runner.artifacts import Limits, safe_relative
+
+log = logging.getLogger(__name__)
+
+VERSIONS_DIR = "versions"
+VERSION_MARKER = "_VERSION.json"
+DEFAULT_KEEP = 2
+MAX_METRICS_CHARS = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class Version:
+    """One committed checkpoint version: its number in the run, the user's step and metrics, when,
+    how large, every file with its size, and which of them travelled (the others were unchanged)."""
+
+    seq: int
+    step: int | None
+    time: float
+    size: int
+    files: tuple[tuple[str, int], ...]
+    sent: tuple[str, ...] = ()
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "step": self.step, "time": self.time, "size": self.size,
+                "files": [{"path": p, "size": s} for p, s in self.files], "sent": list(self.sent),
+                "metrics": self.metrics}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> Version:
+        files = tuple((str(f["path"]), int(f["size"])) for f in value["files"])
+        step = value.get("step")
+        return cls(seq=int(value["seq"]), step=int(step) if step is not None else None, time=float(value["time"]),
+                   size=int(value["size"]), files=files, sent=tuple(value.get("sent") or ()),
+                   metrics=dict(value.get("metrics") or {}))
+
+
+def check_keep(keep: Any) -> int:
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError("keep_checkpoints must be an int >= 1 (the newest versions kept per try); got %r" % (keep,))
+    return keep
+
+
+def folder_of(artifact_dir: Path, seq: int) -> Path:
+    return artifact_dir / VERSIONS_DIR / ("%06d" % seq)
+
+
+def committed(artifact_dir: Path) -> list[tuple[Version, Path]]:
+    """The versions committed in ``artifact_dir``, oldest first."""
+    found = []
+    with contextlib.suppress(OSError):
+        for child in (artifact_dir / VERSIONS_DIR).iterdir():
+            if child.name.isdigit():
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                    found.append((Version.from_json(json.loads((child / VERSION_MARKER).read_text())), child))
+    return sorted(found, key=lambda item: item[0].seq)
+
+
+def newest(artifact_dir: Path) -> tuple[Version, Path] | None:
+    found = committed(artifact_dir)
+    return found[-1] if found else None
+
+
+def commit_version(artifact_dir: Path, received: Path, manifest: dict[str, int], sent: list[str], *,
+                   step: int | None, metrics: dict[str, Any]) -> tuple[Version, Path]:
+    """Build the next version from ``received`` (the ``sent`` files) and the version before (the
+    rest of ``manifest``), then commit it with one rename. ``OSError``/``ValueError`` leave the
+    newest committed version as it was."""
+    before = newest(artifact_dir)
+    seq = before[0].seq + 1 if before else 1
+    building = artifact_dir / VERSIONS_DIR / (".%06d.partial" % seq)
+    shutil.rmtree(building, ignore_errors=True)
+    try:
+        for rel, size in sorted(manifest.items()):
+            target = building / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            source = received / rel if rel in sent else (before[1] / rel if before else None)
+            if source is None or not source.is_file() or source.stat().st_size != size:
+                raise ValueError("checkpoint file %s of version %d is missing or not %d bytes" % (rel, seq, size))
+            _link_or_copy(source, target, move=rel in sent)
+        version = Version(seq=seq, step=step, time=time.time(), size=sum(manifest.values()),
+                          files=tuple(sorted(manifest.items())), sent=tuple(sorted(sent)), metrics=metrics)
+        (building / VERSION_MARKER).write_text(json.dumps(version.to_json(), indent=1))
+        os.rename(building, folder_of(artifact_dir, seq))
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return version, folder_of(artifact_dir, seq)
+
+
+def _link_or_copy(source: Path, target: Path, *, move: bool) -> None:
+    if move:
+        os.replace(source, target)
+        return
+    try:
+        os.link(source, target)  # committed versions never change: sharing the file is safe
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def prune(artifact_dir: Path, keep: int) -> None:
+    """All but the ``keep`` newest versions go, marker first."""
+    for _version, path in committed(artifact_dir)[:-keep]:
+        with contextlib.suppress(OSError):
+            (path / VERSION_MARKER).unlink()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class VersionSink:
+    """The driver's end of durable checkpoints: each version rank 0's task ships is committed in
+    ``artifact_dir``, handed to ``on_commit`` (the operator puts it into the store), then older
+    versions are pruned to ``keep``. One version at a time (``lock``)."""
+
+    def __init__(self, artifact_dir: Path, *, keep: int, limits: Limits,
+                 on_commit: Callable[[Version, Path], None] | None = None) -> None:
+        self.artifact_dir = artifact_dir
+        self.keep = check_keep(keep)
+        self.limits = limits
+        self.on_commit = on_commit
+        self.lock = threading.Lock()
+        self.committed: list[Version] = []
+        self.errors: list[str] = []  # versions committed here that did not reach on_commit's store
+
+    @property
+    def staging(self) -> Path:
+        return self.artifact_dir / ".incoming-version"
+
+    def fresh_staging(self) -> Path:
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir(parents=True)
+        return self.staging
+
+    def commit(self, msg: dict[str, Any], sent: list[str]) -> str | None:
+        """Commit the version ``msg`` announced; ``None``, or why it was not committed."""
+        try:
+            manifest = self._manifest(msg.get("manifest"))
+            if not set(sent) <= set(manifest):
+                raise ValueError("files were sent that the version does not list")
+            version, path = commit_version(self.artifact_dir, self.staging, manifest, sent,
+                                           step=_step(msg.get("step")), metrics=_metrics(msg.get("metrics")))
+        except (OSError, ValueError, TypeError) as err:
+            log.warning("Checkpoint version not committed in %s: %s", self.artifact_dir, err)
+            return "cannot commit the checkpoint version in %s: %s" % (self.artifact_dir, err)
+        finally:
+            shutil.rmtree(self.staging, ignore_errors=True)
+        self.committed.append(version)
+        log.info("Checkpoint version %d (step %s, %d bytes; %d of %d files sent) committed in %s", version.seq,
+                 version.step, version.size, len(version.sent), len(version.files), path)
+        self._hand_on(version, path)
+        prune(self.artifact_dir, self.keep)
+        return None
+
+    def _hand_on(self, version: Version, path: Path) -> None:
+        if self.on_commit is None:
+            return
+        try:
+            self.on_commit(version, path)
+        except Exception as err:  # noqa: BLE001 - the run goes on; the next version tries again
+            self.errors.append(str(err))
+            log.error("%s", err)
+
+    def _manifest(self, value: Any) -> dict[str, int]:
+        if not isinstance(value, dict) or len(value) > self.limits.max_files:
+            raise ValueError("the version's file list is not a mapping of at most %d files" % self.limits.max_files)
+        manifest = {}
+        for name, size in value.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError("file %r has no byte count" % (name,))
+            manifest[safe_relative(name).as_posix()] = size
+        if sum(manifest.values()) > self.limits.max_bytes:
+            raise ValueError("the version is larger than %d bytes (max_artifact_bytes)" % self.limits.max_bytes)
+        return manifest
+
+
+def _step(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("step must be an int; got %r" % (value,))
+    return value
+
+
+def _metrics(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or len(json.dumps(value)) > MAX_METRICS_CHARS:
+        raise ValueError("metrics must be a JSON object of at most %d characters" % MAX_METRICS_CHARS)
+    return value

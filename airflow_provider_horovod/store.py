@@ -1,0 +1,335 @@
+"""The artifact store: where a task instance's tries and checkpoint versions live, and what their
+markers say. The hook, the operator and the Horovod view call it; none of them spells a path.
+
+The layout, under the artifact root (any ``ObjectStoragePath`` URL)::
+
+    <dag_id>/<run_id>/<task_id>[/map-<i>]/try-<n>/
+        versions/<seq>/...             a checkpoint version committed while the try ran (seq: 000001, ...)
+        versions/<seq>/_VERSION.json   its marker (step, time, size, files), written after its files
+        checkpoints/...                rank 0's checkpoint folder as the try ended
+        timeline.json  timeline_summary.json  timeline.svg  result.pkl
+        _ARTIFACTS.json                the try's final marker, written last: how the try ended
+
+A version counts only once its marker is there, so a reader never sees half a version as
+complete. A try that never wrote its final marker (its task process was killed) still offers
+its committed versions. The newest checkpoint of a try is its ``checkpoints/`` when the try
+ended with a complete marker, else its newest committed version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_horovod.exceptions import ArtifactError
+from airflow_provider_horovod.runner.versions import VERSION_MARKER, Version
+
+MARKER = "_ARTIFACTS.json"
+CHECKPOINTS = "checkpoints"
+VERSIONS = "versions"
+TIMELINE = "timeline.json"
+RESULT_FILE = "result.pkl"
+TRY_FOLDER = re.compile(r"^try-([1-9][0-9]{0,6})$")
+VERSION_FOLDER = re.compile(r"^[0-9]{6,}$")
+STATE_KEY = "horovod_checkpoint"  # the task_state_store key of the newest committed version
+
+
+class TryStatus(str, enum.Enum):
+    """How a try ended, as its final marker says."""
+
+    SUCCESS = "success"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# -- the layout ---------------------------------------------------------------------------------
+def storage_path(uri: Any) -> Any:
+    """An ``ObjectStoragePath`` for ``uri``; a plain path is a local ``file://`` path."""
+    from airflow.sdk import ObjectStoragePath
+
+    uri = str(uri)
+    if "://" not in uri:
+        uri = "file://" + os.path.abspath(os.path.expanduser(uri))
+    return ObjectStoragePath(uri)
+
+
+def task_folder(root: Any, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> Any:
+    """``<root>/<dag_id>/<run_id>/<task_id>[/map-<i>]``: every try of one task instance."""
+    folder = storage_path(root) / dag_id / run_id / task_id
+    return folder / ("map-%d" % map_index) if map_index >= 0 else folder
+
+
+def try_folder(task: Any, try_number: int) -> Any:
+    return task / ("try-%d" % try_number)
+
+
+def try_numbers(task: Any) -> list[int]:
+    """The tries of a task folder, oldest first (folders named ``try-<n>`` only)."""
+    found = []
+    with contextlib.suppress(Exception):
+        for child in task.iterdir():
+            match = TRY_FOLDER.match(child.name)
+            if match and child.is_dir():
+                found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def checkpoints_of(folder: Any) -> Any:
+    return folder / CHECKPOINTS
+
+
+def prepare_try(root: Any, *, dag_id: str, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> Any:
+    """The try's folder, created and proven writable before anything runs; ``ArtifactError`` if not."""
+    root_path = storage_path(root)
+    folder = try_folder(task_folder(root_path, dag_id, run_id, task_id, map_index), try_number)
+    probe = folder / ".write-probe"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except Exception as err:  # noqa: BLE001 - any storage error means "cannot write here"
+        raise ArtifactError(
+            "Cannot write Horovod artifacts under %s (%s: %s). Point artifact_root (or [horovod] "
+            "artifact_root) at a location this worker can write." % (root_path, type(err).__name__, err)
+        ) from err
+    if (folder / MARKER).exists():
+        raise ArtifactError("%s already holds a committed run; refusing to overwrite it." % folder)
+    return folder
+
+
+# -- the try's final marker ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TryMarker:
+    """``_ARTIFACTS.json``: how a try ended and what it stored. ``fields`` keeps every other key
+    (np, launcher, duration_s, resumed_from, error, the engine's timeline names, ...)."""
+
+    status: TryStatus | None
+    complete: bool
+    stored_files: tuple[str, ...]
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, value: Any) -> TryMarker | None:
+        if not isinstance(value, dict):
+            return None
+        try:
+            status = TryStatus(value.get("status"))
+        except ValueError:
+            status = None
+        names = value.get("stored_files")
+        if not isinstance(names, list):
+            names = [f.get("path") for f in value.get("files") or [] if isinstance(f, dict)]
+        stored = tuple(n for n in names if isinstance(n, str))
+        return cls(status=status, complete=value.get("complete") is True, stored_files=stored, fields=dict(value))
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.fields, "status": self.status.value if self.status else None, "complete": self.complete,
+                "stored_files": list(self.stored_files)}
+
+    @property
+    def has_checkpoint(self) -> bool:
+        return any(f.startswith(CHECKPOINTS + "/") for f in self.stored_files)
+
+
+def read_marker(folder: Any) -> TryMarker | None:
+    """The try's final marker, or ``None`` while the try runs (or when it was killed)."""
+    try:
+        return TryMarker.from_json(json.loads((folder / MARKER).read_text()))
+    except Exception:  # noqa: BLE001 - absent, half-written or not JSON: not committed
+        return None
+
+
+def _write_json_last(folder: Any, name: str, value: dict[str, Any]) -> None:
+    tmp = folder / (name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1, default=str))
+    tmp.rename(folder / name)
+
+
+def store_try(local_dir: str | Path, folder: Any, marker: dict[str, Any], *,
+              extra_files: dict[str, bytes] | None = None) -> TryMarker:
+    """Copy the engine's committed ``local_dir`` (and ``extra_files``) into ``folder``, then write the
+    final marker last: the try's one commit point. The engine's own run marker in ``local_dir`` is
+    merged into ``marker``; its versions are already in the store (``commit_version``)."""
+    from airflow_provider_horovod.runner.artifacts import ENGINE_MARKER
+
+    local = Path(local_dir)
+    engine: dict[str, Any] = {}
+    files = []
+    for path in sorted(local.rglob("*")):
+        rel = path.relative_to(local).as_posix()
+        if path.is_dir() or any(part.startswith(".") for part in rel.split("/")) or rel.startswith(VERSIONS + "/"):
+            continue  # dot-names are the engine's unfinished transfers; versions went up as committed
+        if rel == ENGINE_MARKER:
+            with contextlib.suppress(ValueError, OSError):
+                engine = json.loads(path.read_text())
+            continue
+        _upload(path, folder / rel)
+        files.append(rel)
+    for rel, data in sorted((extra_files or {}).items()):
+        (folder / rel).write_bytes(data)
+        files.append(rel)
+    committed = TryMarker.from_json({**engine, **marker, "stored_files": files})
+    assert committed is not None
+    _write_json_last(folder, MARKER, committed.to_json())
+    return committed
+
+
+# -- checkpoint versions --------------------------------------------------------------------------
+def version_folder(folder: Any, seq: int) -> Any:
+    return folder / VERSIONS / ("%06d" % seq)
+
+
+def commit_version(folder: Any, local_version: Path, version: Version, *, keep: int) -> Any:
+    """Upload one version the engine committed (``local_version``) into the try ``folder``; its
+    marker goes last. Older versions are pruned to ``keep`` only after this one is committed.
+    A store that fails midway leaves no marker: the previous version stays the newest."""
+    target = version_folder(folder, version.seq)
+    try:
+        for rel, _size in version.files:
+            _upload(local_version / rel, target / rel)
+        _write_json_last(target, VERSION_MARKER, version.to_json())
+    except Exception as err:  # noqa: BLE001 - every storage error: say where and why
+        raise ArtifactError("Cannot commit checkpoint version %d to %s (%s: %s); the newest committed version "
+                            "is still the one before." % (version.seq, target, type(err).__name__, err)) from err
+    prune_versions(folder, keep)
+    return target
+
+
+def versions(folder: Any) -> list[tuple[Version, Any]]:
+    """The committed versions of a try, oldest first (a folder without its marker is not one)."""
+    found = []
+    with contextlib.suppress(Exception):
+        for child in (folder / VERSIONS).iterdir():
+            if not VERSION_FOLDER.match(child.name):
+                continue
+            with contextlib.suppress(Exception):
+                found.append((Version.from_json(json.loads((child / VERSION_MARKER).read_text())), child))
+    return sorted(found, key=lambda item: item[0].seq)
+
+
+def prune_versions(folder: Any, keep: int) -> None:
+    """Remove all but the ``keep`` newest committed versions: marker first, so none is half offered."""
+    for _version, path in versions(folder)[:-keep] if keep > 0 else []:
+        with contextlib.suppress(Exception):
+            (path / VERSION_MARKER).unlink()
+            path.rmdir() if not any(path.iterdir()) else _remove_tree(path)
+
+
+def _remove_tree(path: Any) -> None:
+    if path.protocol in ("file", "local", ""):
+        shutil.rmtree(str(path.path), ignore_errors=True)
+    else:
+        path.rmdir(recursive=True)
+
+
+# -- what a try offers, and the resume search -----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint in the store: where it is, which try made it, and at which step."""
+
+    path: Any
+    try_number: int | None
+    step: int | None = None
+    seq: int | None = None
+
+    def describe(self) -> str:
+        where = "try %s" % self.try_number if self.try_number is not None else "an earlier run"
+        if self.seq is None:
+            return "%s (%s, as it ended)" % (self.path, where)
+        return "%s (%s, version %d%s)" % (self.path, where, self.seq,
+                                          ", step %d" % self.step if self.step is not None else "")
+
+
+def _try_number(folder: Any) -> int | None:
+    match = TRY_FOLDER.match(folder.name or "")
+    return int(match.group(1)) if match else None
+
+
+def _nonempty(path: Any) -> bool:
+    with contextlib.suppress(Exception):
+        return path.is_dir() and any(path.iterdir())
+    return False
+
+
+def newest_checkpoint(folder: Any) -> Checkpoint | None:
+    """The try's newest complete checkpoint: ``checkpoints/`` of a try that ended with a complete
+    marker, else its newest committed version (a killed try's too)."""
+    marker = read_marker(folder)
+    if marker is not None and marker.complete and _nonempty(checkpoints_of(folder)):
+        return Checkpoint(checkpoints_of(folder), _try_number(folder))
+    committed = versions(folder)
+    if committed:
+        version, path = committed[-1]
+        return Checkpoint(path, _try_number(folder), version.step, version.seq)
+    return None
+
+
+def latest_checkpoint(folder: Any, try_number: int) -> Checkpoint | None:
+    """The store scan: the newest checkpoint of the newest earlier try that has one."""
+    for n in range(try_number - 1, 0, -1):
+        found = newest_checkpoint(folder.parent / ("try-%d" % n))
+        if found is not None:
+            return found
+    return None
+
+
+def recorded_checkpoint(state: Any) -> Checkpoint | None:
+    """What ``task_state_store`` says is the newest committed version, if it is still committed."""
+    if state is None:
+        return None
+    with contextlib.suppress(Exception):
+        value = state.get(STATE_KEY, None)
+        if isinstance(value, dict) and isinstance(value.get("uri"), str):
+            path = storage_path(value["uri"])
+            if (path / VERSION_MARKER).exists() or (read_marker(path.parent) or _NO_MARKER).complete:
+                return Checkpoint(path, value.get("try_number"), value.get("step"), value.get("seq"))
+    return None
+
+
+_NO_MARKER = TryMarker(status=None, complete=False, stored_files=())
+
+
+def record_checkpoint(state: Any, checkpoint: Checkpoint) -> None:
+    """Tell ``task_state_store`` (Airflow 3.3) the newest committed checkpoint, for the next try."""
+    if state is None:
+        return
+    state.set(STATE_KEY, {"uri": str(checkpoint.path), "try_number": checkpoint.try_number,
+                          "step": checkpoint.step, "seq": checkpoint.seq, "at": time.time()})
+
+
+def checkpoint_at(uri: str) -> Any:
+    """The checkpoint folder a ``resume`` URI names: a try folder (its newest checkpoint), its
+    ``checkpoints/``, a version, or any other folder. A try folder of this provider counts only
+    with something committed in it."""
+    path = storage_path(uri)
+    if _try_number(path) is not None:
+        found = newest_checkpoint(path)
+        if found is None:
+            raise ArtifactError("Cannot resume from %s: it holds no committed checkpoint (no %s and no "
+                                "committed version)." % (path, MARKER))
+        return found.path
+    if path.name == CHECKPOINTS and _try_number(path.parent) is not None and read_marker(path.parent) is None:
+        raise ArtifactError(
+            "Cannot resume from %s: its run never committed its artifacts (no %s in %s). Pick a "
+            "committed try folder." % (path, MARKER, path.parent)
+        )
+    return path
+
+
+def describe_versions(folder: Any) -> list[dict[str, Any]]:
+    """The committed versions of a try as the view and the XCom show them."""
+    return [{**v.to_json(), "uri": str(p)} for v, p in versions(folder)]
+
+
+def _upload(local: Path, dest: Any) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with local.open("rb") as src, dest.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)

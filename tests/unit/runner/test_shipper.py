@@ -1,0 +1,162 @@
+"""Rank 0's checkpoint versions reach the driver while training runs: the rename rule and
+``commit_checkpoint`` make versions, only changed files travel, a fast writer is coalesced, and
+rank 0's disk holds at most two versions. A real channel and a real shipper thread; no Spark."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from airflow_provider_horovod import runtime
+from airflow_provider_horovod.runner import names, shipper, versions, wire
+from airflow_provider_horovod.runner.artifacts import Limits
+from airflow_provider_horovod.runner.channel import Channel
+
+
+def wait_for(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def write_renamed(folder: Path, name: str, data: bytes) -> None:
+    tmp = folder / (name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, folder / name)
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    """A driver (channel + version sink into ``artifacts``) and rank 0's task folder with its shipper."""
+
+    class Run:
+        def __init__(self, keep: int = 2, on_commit=None) -> None:
+            self.artifacts = tmp_path / "artifacts"
+            self.artifacts.mkdir()
+            secret = wire.new_secret()
+            self.sink = versions.VersionSink(self.artifacts, keep=keep, limits=Limits(), on_commit=on_commit)
+            self.channel = Channel(secret, run_id="abc123", versions=self.sink)
+            address = self.channel.start("127.0.0.1")
+            self.task = names.TaskDir(tempfile.mkdtemp(prefix=names.TASK_DIR_PREFIX % ("abc123", "p0", os.getpid())))
+            self.channel.expect_artifacts_from(self.task.path)
+            self.shipper = shipper.Shipper(address, secret, self.task)
+            self.folder = self.shipper.folder
+            monkeypatch.setenv(names.ENV_TASK_DIR, str(self.task.path))
+            monkeypatch.setenv(names.ENV_RANK, "0")
+            self.shipper.start()
+
+        def committed(self) -> list[versions.Version]:
+            return [v for v, _ in versions.committed(self.artifacts)]
+
+        def close(self) -> None:
+            self.shipper.stop()
+            self.channel.close()
+
+    made: list[Run] = []
+
+    def make(**kwargs) -> Run:
+        made.append(Run(**kwargs))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_a_renamed_checkpoint_is_a_version_and_only_changed_files_travel_again(run):
+    r = run()
+    write_renamed(r.folder, "model.pt", b"m" * 1000)
+    write_renamed(r.folder, "optimizer.pt", b"o" * 500)
+    wait_for(lambda: r.committed() and dict(r.committed()[-1].files) == {"model.pt": 1000, "optimizer.pt": 500})
+    before = r.committed()[-1].seq
+    (r.folder / "half.pt.tmp").write_bytes(b"never offered")
+    write_renamed(r.folder, "model.pt", b"M" * 1200)
+    wait_for(lambda: r.committed()[-1].seq > before and dict(r.committed()[-1].files)["model.pt"] == 1200)
+    newest, path = versions.committed(r.artifacts)[-1]
+    assert newest.sent == ("model.pt",)  # the optimizer did not change: it stayed on rank 0's host
+    assert (path / "model.pt").read_bytes() == b"M" * 1200 and (path / "optimizer.pt").read_bytes() == b"o" * 500
+    assert not (path / "half.pt.tmp").exists()
+    assert len(r.committed()) <= 2  # keep_checkpoints=2
+
+
+def test_commit_checkpoint_makes_the_only_versions_once_called_with_step_and_metrics(run):
+    r = run()
+    (r.folder / "weights.bin").write_bytes(b"w1")
+    (r.folder / "meta.json").write_text("{}")
+    runtime.commit_checkpoint(step=7, loss=0.5)
+    wait_for(lambda: any(v.step == 7 for v in r.committed()))
+    version = next(v for v in r.committed() if v.step == 7)
+    assert version.metrics == {"loss": 0.5} and dict(version.files) == {"meta.json": 2, "weights.bin": 2}
+    assert version.size == 4 and version.time > 0
+    count = len(versions.committed(r.artifacts))
+    write_renamed(r.folder, "weights.bin", b"w2-half-of-a-pair")  # no commit call: no version
+    time.sleep(1.0)
+    assert len(versions.committed(r.artifacts)) == count
+
+
+def test_a_writer_faster_than_the_link_is_coalesced_and_rank_0_holds_at_most_two_versions(run):
+    slow = threading.Event()
+
+    def slow_store(version, path):
+        time.sleep(0.5)  # the store behind the driver is slow: versions queue up on rank 0's side
+        slow.set()
+
+    r = run(on_commit=slow_store)
+    size = 256 << 10
+    peak = [0]
+
+    def rank_side_bytes() -> int:
+        """Bytes rank 0's task folder holds on disk, each inode once (hard links are free)."""
+        seen, total = set(), 0
+        for dirpath, _dirs, files in os.walk(r.task.path):
+            for name in files:
+                st = os.lstat(os.path.join(dirpath, name))
+                if st.st_ino not in seen:
+                    seen.add(st.st_ino)
+                    total += st.st_size
+        return total
+
+    for step in range(40):
+        write_renamed(r.folder, "model.pt", bytes([step]) * size)
+        peak[0] = max(peak[0], rank_side_bytes())
+        time.sleep(0.02)
+    wait_for(lambda: r.committed() and r.committed()[-1].files == (("model.pt", size),)
+             and (versions.committed(r.artifacts)[-1][1] / "model.pt").read_bytes()[:1] == bytes([39]))
+    assert slow.is_set()
+    assert r.committed()[-1].seq < 40  # coalesced: not one version per write
+    assert peak[0] <= 2 * size  # the live checkpoint and at most the one in flight
+    assert not list((r.task.path).glob(names.COMMITS_DIR + "/*"))
+
+
+def test_a_file_rewritten_in_place_while_it_travels_is_never_committed_half_new(run, monkeypatch):
+    original = shipper.send_tree
+
+    def rewrite_then_send(conn, root):
+        path = root / "model.pt"
+        if path.exists() and path.read_bytes()[:1] == b"a":
+            with open(r.folder / "model.pt", "r+b") as f:  # the same inode as the outbox's link
+                f.write(b"b")
+        return original(conn, root)
+
+    monkeypatch.setattr(shipper, "send_tree", rewrite_then_send)
+    monkeypatch.setenv(names.ENV_ARTIFACT_TRANSPORT, "stream")
+    r = run()
+    (r.folder / "model.pt").write_bytes(b"a" * 100)
+    wait_for(lambda: r.shipper.errors)
+    assert "changed while it was sent" in r.shipper.errors[0]
+    # the rewrite closed the file: that state is the next version, committed whole
+    wait_for(lambda: r.committed())
+    assert [(p / "model.pt").read_bytes() for _, p in versions.committed(r.artifacts)] == [b"b" + b"a" * 99]
+
+
+def test_commit_checkpoint_outside_a_run_does_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv(names.ENV_TASK_DIR, raising=False)
+    monkeypatch.chdir(tmp_path)
+    runtime.commit_checkpoint(step=1)
+    assert not (tmp_path / names.COMMITS_DIR).exists()

@@ -1,0 +1,145 @@
+"""The artifact store: the layout, the final marker, committed versions and the resume search."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from airflow_provider_horovod import store
+from airflow_provider_horovod.exceptions import ArtifactError
+from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
+from airflow_provider_horovod.runner.artifacts import ENGINE_MARKER
+from airflow_provider_horovod.runner.versions import Version
+
+
+def prepare(root, try_number: int):
+    return store.prepare_try(str(root), dag_id="d", run_id="r", task_id="t", try_number=try_number)
+
+
+def local_version(tmp_path: Path, seq: int, files: dict[str, bytes], step: int | None = None) -> tuple[Version, Path]:
+    folder = tmp_path / ("local-v%d" % seq)
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    manifest = tuple(sorted((rel, len(data)) for rel, data in files.items()))
+    return Version(seq=seq, step=step, time=1.0 + seq, size=sum(s for _, s in manifest), files=manifest), folder
+
+
+def test_try_folder_layout(tmp_path):
+    folder = store.prepare_try(str(tmp_path), dag_id="d", run_id="manual__1", task_id="t", try_number=3)
+    assert str(folder) == "file://%s/d/manual__1/t/try-3" % tmp_path
+    assert folder.is_dir()
+    mapped = store.prepare_try(str(tmp_path), dag_id="d", run_id="r", task_id="t", try_number=1, map_index=2)
+    assert str(mapped) == "file://%s/d/r/t/map-2/try-1" % tmp_path
+
+
+def test_unwritable_artifact_root_names_the_path(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ArtifactError, match="Cannot write Horovod artifacts under .*a-file.*artifact_root"):
+        prepare(blocker, 1)
+
+
+def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_checkpoint(tmp_path):
+    root = tmp_path / "root"
+    local = tmp_path / "local"
+    (local / "checkpoints").mkdir(parents=True)
+    (local / "checkpoints" / "epoch-1.pt").write_bytes(b"one")
+    (local / ENGINE_MARKER).write_text(json.dumps({"status": "failed", "complete": True}))
+    try1 = prepare(root, 1)
+    marker = store.store_try(local, try1, {"try_number": 1})
+    assert marker.status is store.TryStatus.FAILED and marker.stored_files == ("checkpoints/epoch-1.pt",)
+    assert json.loads((try1 / store.MARKER).read_text())["try_number"] == 1
+    # try 2 died before committing anything: its half-written checkpoint is never offered
+    try2 = prepare(root, 2)
+    (try2 / "checkpoints").mkdir(parents=True)
+    (try2 / "checkpoints" / "epoch-2.pt").write_bytes(b"half")
+    try3 = prepare(root, 3)
+    found = store.latest_checkpoint(try3, 3)
+    assert str(found.path) == str(try1 / "checkpoints") and found.try_number == 1
+    local_copy = HorovodRunnerHook().download(found.path)
+    try:
+        assert (Path(local_copy) / "epoch-1.pt").read_bytes() == b"one"
+    finally:
+        shutil.rmtree(local_copy)
+    with pytest.raises(ArtifactError, match="never committed"):
+        store.checkpoint_at(str(try2 / "checkpoints"))
+    assert str(store.checkpoint_at(str(try1))) == str(try1 / "checkpoints")
+
+
+def test_a_marker_without_complete_true_offers_no_final_checkpoint(tmp_path):
+    try1 = prepare(tmp_path, 1)
+    (try1 / "checkpoints").mkdir()
+    (try1 / "checkpoints" / "half.pt").write_bytes(b"h")
+    (try1 / store.MARKER).write_text(json.dumps({"status": "failed", "stored_files": ["checkpoints/half.pt"]}))
+    assert store.newest_checkpoint(try1) is None
+
+
+def test_a_killed_try_offers_its_newest_committed_version_and_prunes_to_keep(tmp_path):
+    try1 = prepare(tmp_path, 1)
+    for seq in (1, 2, 3):
+        version, local = local_version(tmp_path, seq, {"model.pt": b"w" * seq, "step.txt": str(seq).encode()}, step=10 * seq)
+        store.commit_version(try1, local, version, keep=2)
+    assert [v.seq for v, _ in store.versions(try1)] == [2, 3]  # the oldest pruned after the third committed
+    assert not (try1 / "versions" / "000001").exists()
+    found = store.latest_checkpoint(prepare(tmp_path, 2), 2)
+    assert (found.try_number, found.seq, found.step) == (1, 3, 30)
+    assert (found.path / "step.txt").read_text() == "3"
+    assert "try 1, version 3, step 30" in found.describe()
+    assert store.checkpoint_at(str(try1)) == found.path
+
+
+def test_a_version_without_its_marker_is_never_offered(tmp_path):
+    try1 = prepare(tmp_path, 1)
+    version, local = local_version(tmp_path, 1, {"model.pt": b"one"})
+    store.commit_version(try1, local, version, keep=2)
+    half = try1 / "versions" / "000002"
+    half.mkdir(parents=True)
+    (half / "model.pt").write_bytes(b"tw")  # the store failed before the marker
+    assert [v.seq for v, _ in store.versions(try1)] == [1]
+    assert store.newest_checkpoint(try1).seq == 1
+
+
+def test_a_full_store_keeps_the_previous_version_newest_and_names_the_path_and_cause(tmp_path):
+    try1 = prepare(tmp_path, 1)
+    version, local = local_version(tmp_path, 1, {"model.pt": b"one"})
+    store.commit_version(try1, local, version, keep=2)
+    second, local2 = local_version(tmp_path, 2, {"a.pt": b"first file fits", "model.pt": b"two"})
+    target = Path(str(store.version_folder(try1, 2).path))
+    target.mkdir(parents=True)
+    (target / "model.pt").symlink_to("/dev/full")  # the disk fills up at the version's second file
+    with pytest.raises(ArtifactError, match=r"version 2 to .*versions/000002 \(OSError: .*No space left on device"):
+        store.commit_version(try1, local2, second, keep=2)
+    assert (target / "a.pt").exists()  # half a version is there, but without its marker ...
+    assert [v.seq for v, _ in store.versions(try1)] == [1]  # ... so it is never offered
+    assert (store.newest_checkpoint(try1).path / "model.pt").read_bytes() == b"one"
+
+
+class StateStore:
+    """Airflow 3.3's TaskStateStoreAccessor as the operator sees it: get(key, default), set(key, value)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, object] = {}
+
+    def get(self, key, default=None):
+        return self.values.get(key, default)
+
+    def set(self, key, value, retention=None):
+        self.values[key] = json.loads(json.dumps(value))
+
+
+def test_task_state_store_names_the_newest_version_and_a_pruned_one_falls_back_to_the_scan(tmp_path):
+    try1 = prepare(tmp_path, 1)
+    version, local = local_version(tmp_path, 1, {"model.pt": b"one"}, step=5)
+    path = store.commit_version(try1, local, version, keep=1)
+    state = StateStore()
+    store.record_checkpoint(state, store.Checkpoint(path, 1, 5, 1))
+    found = store.recorded_checkpoint(state)
+    assert (str(found.path), found.try_number, found.step) == (str(path), 1, 5)
+    second, local2 = local_version(tmp_path, 2, {"model.pt": b"two"}, step=6)
+    store.commit_version(try1, local2, second, keep=1)  # version 1 pruned: the record is stale
+    assert store.recorded_checkpoint(state) is None
+    assert store.recorded_checkpoint(None) is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from airflow_provider_horovod.runner.text import one_line, quoted_text
+
 
 class HorovodRunError(RuntimeError):
     """A Horovod job failed, was cancelled, or could not start.
@@ -27,8 +29,8 @@ class HorovodRunError(RuntimeError):
         self.remote_traceback = remote_traceback
         self.log_tail = log_tail or {}
         text = message
-        if remote_traceback:
-            text += "\n\nRemote traceback (rank %s on %s):\n%s" % (rank, host, remote_traceback.rstrip())
+        if remote_traceback:  # the rank's own text: every line escaped and indented (``runner.text``)
+            text += "\n\nRemote traceback (rank %s on %s):\n%s" % (rank, one_line(host), quoted_text(remote_traceback))
         super().__init__(text)
 
 

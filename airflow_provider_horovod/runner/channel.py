@@ -41,20 +41,10 @@ from airflow_provider_horovod.runner.events import (
     UploadStarted,
 )
 from airflow_provider_horovod.runner.plan import TaskFacts
+from airflow_provider_horovod.runner.text import one_line
 
 log = logging.getLogger(__name__)
 rank_log = logging.getLogger("airflow_provider_horovod.ranks")
-
-
-# A rank's line is shown as one line: a newline, a carriage return or an escape sequence in it
-# (sent by a rank, or printed by the training code) must not start a record of its own in the log.
-_CONTROL = {c: "\\x%02x" % c for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if c != 0x09}
-_CONTROL.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
-
-
-def one_line(line: Any) -> str:
-    """``line`` with every control character escaped, so it stays one record of the log."""
-    return (line if isinstance(line, str) else str(line)).translate(_CONTROL)
 
 
 class RankOutput:
@@ -84,6 +74,8 @@ _ALLOWED = {
                      names.MSG_EVENT, names.MSG_LOGS, names.MSG_PUT, names.MSG_FETCH_RESUME, names.MSG_PUT_VERSION},
 }
 TRANSFER_TIMEOUT_S = 60.0  # a transfer's peer sends a frame or a heartbeat well within this
+MAX_PENDING = 64  # connections in their handshake at once
+MAX_PENDING_PER_SOURCE = 16  # of those, from one address: a host's tasks and ranks, never all of them
 
 
 class Channel:
@@ -103,7 +95,7 @@ class Channel:
     ) -> None:
         """``versions``: where rank 0's checkpoint versions are committed (``versions.VersionSink``)."""
         self._versions = versions
-        self._keys = wire.server_keys(secret, wire.ROLE_TASK, wire.ROLE_RANK)
+        self._keys = wire.server_keys(secret, wire.ROLE_TASK, ranks=True)
         self._run_id = run_id
         self._limits = limits
         self._artifacts_task_dir: Path | None = None
@@ -125,6 +117,7 @@ class Channel:
         self._proofs: Path | None = None
         self.address: tuple[str, int] | None = None
         self.rejected = 0
+        self._refusals = wire.RefusalLog(lambda text: log.warning("Refused a connection to the driver's channel: %s", text))
         self.received: list[dict[str, Any]] = []  # the files rank 0's task handed over
         self.transport: str | None = None  # "copy" or "stream"
         self.upload_seconds: float | None = None
@@ -138,13 +131,14 @@ class Channel:
             log.info("Not listening for the barrier tasks on %s (%s); Spark's allGather coordinates them", host, err)
             return None
         self.address = (host, self._listener.getsockname()[1])
-        wire.serve(self._listener, self._keys, self._serve, "hvdrunner-channel", on_reject=self._rejected)
+        wire.serve(self._listener, self._keys, self._serve, "hvdrunner-channel", max_pending=MAX_PENDING,
+                   max_pending_per_source=MAX_PENDING_PER_SOURCE, on_reject=self._rejected)
         return self.address
 
     def _rejected(self, err: BaseException) -> None:
         with self._lock:
             self.rejected += 1
-        log.warning("Refused a connection to the driver's channel: %s", err)
+        self._refusals.note(err)
 
     def expect_artifacts_from(self, task_dir: str | Path) -> None:
         """Rank 0's task folder, from the plan: the only folder the driver will copy artifacts from."""
@@ -202,10 +196,13 @@ class Channel:
         with self._lock:
             self._conns.add(conn)
         partition: int | None = None
-        allowed = _ALLOWED[conn.role]
+        allowed = _ALLOWED[wire.role_family(conn.role)]
+        rank = wire.rank_of(conn.role)
         try:
             while True:
                 msg = conn.recv()
+                if rank is not None:
+                    msg["rank"] = rank  # a rank speaks only for itself, whatever its frames say
                 kind = msg.get("t")
                 if kind not in allowed:
                     raise wire.ProtocolError("a %s may not send %r" % (conn.role, kind))
@@ -245,7 +242,10 @@ class Channel:
     def _handle(self, msg: dict[str, Any]) -> None:
         kind = msg.get("t")
         if kind == names.MSG_LOGS:
-            self.lines(int(msg["rank"]), msg["lines"], callback=bool(msg.get("callback")), quiet=bool(msg.get("quiet")))
+            if not isinstance(msg["lines"], list):
+                raise wire.ProtocolError("logs whose lines are not a list")
+            self.lines(int(msg["rank"]), [str(line) for line in msg["lines"]], callback=bool(msg.get("callback")),
+                       quiet=bool(msg.get("quiet")))
         elif kind == names.MSG_FACTS:
             self._emit(FactsReported(TaskFacts.from_json(msg["facts"])))
         elif kind == names.MSG_READY:

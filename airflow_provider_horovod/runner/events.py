@@ -34,12 +34,23 @@ class Failure:
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Failure:
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in raw.items() if k in names}
-        kwargs["tail"] = tuple(kwargs.get("tail") or ())
-        kwargs["launcher_output"] = tuple(kwargs.get("launcher_output") or ())
-        kwargs.setdefault("message", raw.get("exception") or "failed")
-        return cls(**kwargs)
+        """A report as it came (from a rank, a task, a file): every field of its own type, whatever
+        was sent, so a malformed report cannot break the verdict that reads it."""
+        def text(key: str) -> str | None:
+            value = raw.get(key)
+            return None if value is None else str(value)
+
+        def lines(key: str) -> tuple[str, ...]:
+            value = raw.get(key) or ()
+            return tuple(str(line) for line in value) if isinstance(value, (list, tuple)) else (str(value),)
+
+        rank, when = raw.get("rank"), raw.get("time")
+        return cls(message=text("message") or text("exception") or "failed",
+                   rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+                   host=text("host"), executor=text("executor"), exception=text("exception"), exit=text("exit"),
+                   traceback=text("traceback") or "", tail=lines("tail"), launcher_output=lines("launcher_output"),
+                   consequence=raw.get("consequence") is True,
+                   time=when if isinstance(when, float) else time.time())
 
     @property
     def secondary(self) -> bool:

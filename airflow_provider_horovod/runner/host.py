@@ -50,13 +50,14 @@ class RunSpec:
 
 def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
     """The environment of every process this host starts for the run (values never reach a shell).
-    It holds no key: ranks and the rsh agent read theirs from a private file (``hand_over_key``).
+    It holds no key: ranks and the rsh agent read theirs from a private file (``hand_over_key``),
+    and none of the task's secrets (``names.is_secret_env``); the user's ``env=`` is passed as given.
 
     The launcher's contract is what ``horovodrun`` gives that launcher: under mpirun, MPI says who
     is which rank and no ``HOROVOD_RANK`` & co are set (see ``names``).
     """
     env = {k: v for k, v in os.environ.items()
-           if k not in names.HOROVOD_RANK_CONTRACT and k not in names.SPARK_WORKER_SECRETS}
+           if k not in names.HOROVOD_RANK_CONTRACT and not names.is_secret_env(k)}
     env.update(spec.env)
     # Keras 2 (tf-keras) for horovod.tensorflow.keras; TensorFlow reads it at its first import
     env.setdefault(LEGACY_KERAS_ENV, "1")  # the user's own value (driver, executor or env=) wins
@@ -87,10 +88,9 @@ def hand_over_key(path: Path, key: bytes) -> None:
 
 
 def hand_over_rank_keys(spec: RunSpec, slots: list[Slot]) -> None:
-    """Each rank's channel key (the rank role's: logs and failure reports only) beside its task."""
-    key = wire.role_key(spec.secret, wire.ROLE_RANK)
+    """Each rank's own channel key (its logs and failure report only, as that rank) beside its task."""
     for slot in slots:
-        hand_over_key(TaskDir(slot.task_dir).rank_key(slot.rank), key)
+        hand_over_key(TaskDir(slot.task_dir).rank_key(slot.rank), wire.role_key(spec.secret, wire.rank_role(slot.rank)))
 
 
 def tail(path: Path, n: int = names.TAIL_LINES) -> list[str]:

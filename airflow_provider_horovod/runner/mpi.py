@@ -163,8 +163,9 @@ class ExecService:
         self.orted_ended = threading.Event()
         self.orted_code: int | None = None
         self.refused = 0
+        self._refusals = wire.RefusalLog(lambda text: self._note("refused a connection: %s" % text))
         wire.serve(self._listener, self._keys, self._serve, "hvdrunner-exec-service", max_connections=8,
-                   max_pending=8, on_reject=self._rejected)
+                   max_pending=8, max_pending_per_source=2, on_reject=self._rejected)
 
     def expect(self, plan: Plan, partition: int) -> None:
         """The plan is known: serve the one launch of this task's host, or close if there is none.
@@ -183,7 +184,7 @@ class ExecService:
     def _rejected(self, err: BaseException) -> None:
         with self._lock:
             self.refused += 1
-        self._note("refused a connection: %s" % err)
+        self._refusals.note(err)
 
     def _serve(self, conn: wire.ServerConnection) -> None:
         proc = None

@@ -40,8 +40,23 @@ HOROVOD_RANK_CONTRACT = (
     "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
     "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_TIMELINE",
 )
-# Variables of the Spark Python worker that no rank, mpirun or orted needs.
-SPARK_WORKER_SECRETS = ("PYTHON_WORKER_FACTORY_SECRET",)
+# Variables of the task's environment that carry secrets no rank, mpirun or orted needs: they are
+# not passed on (``is_secret_env``; docs/security.md). What training needs goes in through ``env=``.
+SECRET_ENV_NAMES = (
+    "PYTHON_WORKER_FACTORY_SECRET", "_SPARK_AUTH_SECRET",  # Spark's worker and RPC secrets
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__CELERY__BROKER_URL", "AIRFLOW__CELERY__RESULT_BACKEND",
+)
+SECRET_ENV_PREFIXES = ("AWS_", "AZURE_", "AIRFLOW_CONN_", "AIRFLOW_VAR_")  # cloud credentials, Airflow's connections
+_SECRET_ENV_WORDS = re.compile(
+    r"(^|_)(SECRETS?|TOKENS?|PASSWORDS?|PASSWD|CREDENTIALS?|API_?KEYS?|ACCESS_?KEYS?|PRIVATE_?KEYS?|FERNET_KEY)(_|$)")
+
+
+def is_secret_env(name: str) -> bool:
+    """Whether the variable ``name`` holds a secret by its name: a known one (Spark's, Airflow's),
+    a cloud credential (``AWS_*``, ``AZURE_*``), or a name with a word such as ``SECRET``, ``TOKEN``,
+    ``PASSWORD``, ``CREDENTIALS`` or ``API_KEY`` in it."""
+    upper = name.upper()
+    return upper in SECRET_ENV_NAMES or upper.startswith(SECRET_ENV_PREFIXES) or bool(_SECRET_ENV_WORDS.search(upper))
 
 # -- the task folder ------------------------------------------------------------------------------
 PAYLOAD_FILE = "payload.pkl"

@@ -43,6 +43,7 @@ from airflow_provider_horovod.runner.supervisor import (
     Stop,
     Supervisor,
 )
+from airflow_provider_horovod.runner.text import one_line, quoted, quoted_text
 
 log = logging.getLogger(__name__)
 
@@ -473,16 +474,17 @@ class HorovodRunner:
             failure = failure.with_tail(tails.get(failure.rank, []))
             tails[failure.rank] = list(failure.tail)
         self.last_run.error = failure.to_json()
-        message = failure.message
-        if failure.exit and failure.exit not in message:
-            message += " (the process %s)" % failure.exit
+        # what came from the ranks and the launcher is escaped as streamed rank lines are (runner.text)
+        message = one_line(failure.message)
+        if failure.exit and failure.exit not in failure.message:
+            message += " (the process %s)" % one_line(failure.exit)
         if not failure.traceback and failure.tail:
-            message += "\n\nLast %d lines of rank %s:\n%s" % (len(failure.tail), failure.rank, "\n".join(failure.tail))
+            message += "\n\nLast %d lines of rank %s:\n%s" % (len(failure.tail), failure.rank, quoted(failure.tail))
         if failure.launcher_output:
-            message += "\n\n%s said:\n%s" % (self.launcher, "\n".join(failure.launcher_output[-40:]))
+            message += "\n\n%s said:\n%s" % (self.launcher, quoted(failure.launcher_output[-40:]))
         for other in others:  # what the other hosts' daemons said, when they said anything
             if other is not cause and other.rank is None and other.launcher_output:
-                message += "\n%s" % "\n".join(other.launcher_output[-20:])
+                message += "\n%s" % quoted(other.launcher_output[-20:])
         return HorovodRunError(message, rank=failure.rank, host=failure.host, remote_traceback=failure.traceback or None,
                                log_tail=tails)
 
@@ -501,7 +503,7 @@ class HorovodRunner:
                 "spark.pyspark.python) at the same Python version on the driver and the executors."
                 % (executor, platform.python_version())
             )
-        return HorovodRunError("The Spark job running the Horovod ranks failed: %s" % str(err).strip()[:4000])
+        return HorovodRunError("The Spark job running the Horovod ranks failed:\n%s" % quoted_text(str(err).strip()[:4000]))
 
     @contextlib.contextmanager
     def _signals(self):

@@ -10,12 +10,13 @@ Every frame after that carries ``HMAC-SHA256(connection key, direction || sequen
 a frame that fails to verify closes the connection before its body is looked at.
 
 Keys are per role, derived from the run's secret: barrier tasks (``task``), rank processes
-(``rank``: logs and failure reports only) and mpirun's rsh agent (``exec``: the exec services
-only). A process gets the key of its own role and nothing more.
+(``rank.<n>``, one key per rank: its own logs and failure report only) and mpirun's rsh agent
+(``exec``: the exec services only). A process gets the key of its own role and nothing more.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -24,6 +25,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import struct
@@ -45,8 +47,9 @@ _HELLO = b"hvdrunner-hello"
 _WELCOME = b"hvdrunner-welcome"
 
 ROLE_TASK = "task"  # a barrier task: the launch protocol and the artifact transfers
-ROLE_RANK = "rank"  # a rank process: its output and its failure report
+ROLE_RANK = "rank"  # a rank process: its output and its failure report; each rank has a key of its own
 ROLE_EXEC = "exec"  # mpirun's rsh agent: asks an exec service to start orted
+_RANK_ROLE = re.compile(r"rank\.(\d{1,9})")  # what rank n says on the wire: "rank.<n>", with rank n's key
 
 
 class AuthenticationError(ConnectionError):
@@ -77,20 +80,73 @@ def role_key(secret: bytes, role: str) -> bytes:
     return hmac.new(secret, b"hvdrunner role:" + role.encode(), hashlib.sha256).digest()
 
 
-def server_keys(secret: bytes, *roles: str) -> dict[str, bytes]:
-    """What a server accepts: the key of each of ``roles``."""
-    return {role: role_key(secret, role) for role in roles}
+def rank_role(rank: int) -> str:
+    """The role rank ``rank`` connects as: its key proves which rank it is, so a rank speaks only for itself."""
+    return "%s.%d" % (ROLE_RANK, rank)
+
+
+def rank_of(role: str) -> int | None:
+    """The rank a ``rank.<n>`` role stands for; None for every other role."""
+    found = _RANK_ROLE.fullmatch(role)
+    return int(found.group(1)) if found else None
+
+
+def role_family(role: str) -> str:
+    """What a role may do: every rank's role is ``rank``."""
+    return ROLE_RANK if rank_of(role) is not None else role
+
+
+class RoleKeys(Mapping):
+    """What a server accepts: the key of each of its roles; with ``ranks``, each rank's own key,
+    derived when that rank connects."""
+
+    def __init__(self, secret: bytes, roles: tuple[str, ...], *, ranks: bool = False) -> None:
+        self._secret = secret
+        self._keys = {role: role_key(secret, role) for role in roles}
+        self._ranks = ranks
+
+    def __getitem__(self, role: str) -> bytes:
+        if role in self._keys:
+            return self._keys[role]
+        if self._ranks and rank_of(role) is not None:
+            return role_key(self._secret, role)
+        raise KeyError(role)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __repr__(self) -> str:
+        return "RoleKeys(%s%s)" % (", ".join(self._keys), ", ranks" if self._ranks else "")
+
+
+def server_keys(secret: bytes, *roles: str, ranks: bool = False) -> RoleKeys:
+    """What a server accepts: the key of each of ``roles`` (and, with ``ranks``, of each rank)."""
+    return RoleKeys(secret, roles, ranks=ranks)
 
 
 def _session_key(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     return hmac.new(key, b"session" + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+def _time_left(sock: socket.socket, deadline: float | None) -> None:
+    """Give the next socket operation only what is left until ``deadline`` (none: as it is)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the handshake took longer than allowed")
+    sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     pos = 0
     while pos < n:
+        _time_left(sock, deadline)
         got = sock.recv_into(view[pos:], n - pos)
         if not got:
             raise ConnectionError("connection closed")
@@ -111,6 +167,7 @@ class FramedConnection:
         self._send_seq = 0
         self._recv_seq = 0
         self._max_frame = MAX_FRAME
+        self._deadline: float | None = None  # during the handshake: when it must be over
         self._send_lock = threading.Lock()  # one frame at a time, whichever thread sends
 
     def _mac(self, direction: bytes, seq: int, body: bytes | bytearray | memoryview) -> bytes:
@@ -120,6 +177,7 @@ class FramedConnection:
 
     def send_bytes(self, body: bytes | bytearray | memoryview) -> None:
         with self._send_lock:
+            _time_left(self.sock, self._deadline)
             mac = self._mac(self._SEND, self._send_seq, body)
             self._send_seq += 1
             if len(body) < 65536:
@@ -129,11 +187,11 @@ class FramedConnection:
                 self.sock.sendall(body)
 
     def recv_bytes(self) -> bytearray:
-        (length,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size))
+        (length,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size, self._deadline))
         if length > self._max_frame:
             raise AuthenticationError("frame of %d bytes is larger than allowed here (%d)" % (length, self._max_frame))
-        mac = _recv_exact(self.sock, MAC_BYTES)
-        body = _recv_exact(self.sock, length)
+        mac = _recv_exact(self.sock, MAC_BYTES, self._deadline)
+        body = _recv_exact(self.sock, length, self._deadline)
         if not hmac.compare_digest(mac, self._mac(self._RECV, self._recv_seq, body)):
             raise AuthenticationError("frame not signed with this run's key")
         self._recv_seq += 1
@@ -181,22 +239,24 @@ def _keepalive(sock: socket.socket) -> None:
 
 
 def connect(address: tuple[str, int], credentials: Credentials, timeout: float = 10.0) -> ClientConnection:
-    """Connect and complete the handshake within ``timeout``; the server must prove it holds the key too."""
+    """Connect and complete the handshake within ``timeout`` in all (however slowly the server
+    answers); the server must prove it holds the key too."""
+    deadline = time.monotonic() + timeout
     sock = socket.create_connection(address, timeout=timeout)
     try:
-        sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _keepalive(sock)
-        server_nonce = bytes(_recv_exact(sock, NONCE_BYTES))
+        server_nonce = bytes(_recv_exact(sock, NONCE_BYTES, deadline))
         client_nonce = os.urandom(NONCE_BYTES)
         role = credentials.role.encode()
+        _time_left(sock, deadline)
         sock.sendall(bytes([len(role)]) + role + client_nonce)
         conn = ClientConnection(sock, _session_key(credentials.key, server_nonce, client_nonce), credentials.role)
+        conn._deadline, conn._max_frame = deadline, HELLO_MAX
         conn.send_bytes(_HELLO)
-        conn._max_frame = HELLO_MAX
         if conn.recv_bytes() != _WELCOME:
             raise AuthenticationError("the server did not welcome us")
-        conn._max_frame = MAX_FRAME
+        conn._deadline, conn._max_frame = None, MAX_FRAME
         sock.settimeout(None)
         return conn
     except BaseException:
@@ -206,26 +266,28 @@ def connect(address: tuple[str, int], credentials: Credentials, timeout: float =
 
 def handshake(sock: socket.socket, keys: Mapping[str, bytes], timeout: float | None = None) -> ServerConnection:
     """The server's half: nothing the peer sends is acted on (or read past a small hello) before it
-    proves it holds the key of a role this server accepts, within ``HANDSHAKE_TIMEOUT``."""
-    sock.settimeout(timeout or HANDSHAKE_TIMEOUT)
+    proves it holds the key of a role this server accepts, within ``HANDSHAKE_TIMEOUT`` in all (a
+    peer that sends a byte now and then gains no time)."""
+    deadline = time.monotonic() + (timeout or HANDSHAKE_TIMEOUT)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     _keepalive(sock)
     server_nonce = os.urandom(NONCE_BYTES)
+    _time_left(sock, deadline)
     sock.sendall(server_nonce)
-    size = _recv_exact(sock, 1)[0]
+    size = _recv_exact(sock, 1, deadline)[0]
     if not 0 < size <= MAX_ROLE:
         raise AuthenticationError("a malformed handshake")
-    role = bytes(_recv_exact(sock, size)).decode("ascii", "replace")
-    client_nonce = bytes(_recv_exact(sock, NONCE_BYTES))
+    role = bytes(_recv_exact(sock, size, deadline)).decode("ascii", "replace")
+    client_nonce = bytes(_recv_exact(sock, NONCE_BYTES, deadline))
     key = keys.get(role)
     if key is None:
         raise AuthenticationError("a peer claiming a role this service does not serve (%r)" % role[:MAX_ROLE])
     conn = ServerConnection(sock, _session_key(key, server_nonce, client_nonce), role)
-    conn._max_frame = HELLO_MAX
+    conn._deadline, conn._max_frame = deadline, HELLO_MAX
     if conn.recv_bytes() != _HELLO:
         raise AuthenticationError("a malformed hello")
-    conn._max_frame = MAX_FRAME
     conn.send_bytes(_WELCOME)
+    conn._deadline, conn._max_frame = None, MAX_FRAME
     sock.settimeout(None)
     return conn
 
@@ -256,19 +318,25 @@ class Server:
     """Accepts connections on ``listener`` until it is closed; each in a thread of its own.
 
     Bounded: at most ``max_pending`` connections in their handshake (each for at most
-    ``HANDSHAKE_TIMEOUT``) and ``max_connections`` in all; more are closed at once. The loop
-    survives running out of file descriptors and any error of a single connection.
+    ``HANDSHAKE_TIMEOUT`` in all), of which at most ``max_pending_per_source`` from one address,
+    and ``max_connections`` in all; more are closed at once. So a peer without a key that holds
+    handshakes open from one address leaves the other addresses room. The loop survives running
+    out of file descriptors and any error of a single connection.
     """
 
     def __init__(self, listener: socket.socket, keys: Mapping[str, bytes], handle: Callable[[ServerConnection], None],
                  name: str, *, max_connections: int = 1024, max_pending: int = 64,
+                 max_pending_per_source: int | None = None,
                  on_reject: Callable[[BaseException], None] | None = None) -> None:
         self._listener = listener
-        self._keys = dict(keys)
+        self._keys = keys
         self._handle = handle
         self._name = name
         self._all = threading.BoundedSemaphore(max_connections)
         self._pending = threading.BoundedSemaphore(max_pending)
+        self._per_source = max_pending_per_source or max_pending
+        self._pending_from: collections.Counter[str] = collections.Counter()
+        self._count_lock = threading.Lock()
         self._on_reject = on_reject or (lambda err: None)
         self.turned_away = 0
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -277,7 +345,7 @@ class Server:
     def _loop(self) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError as err:
                 if self._listener.fileno() < 0 or err.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
                     return  # closed
@@ -287,26 +355,41 @@ class Server:
                 log.warning("%s: accept failed (%s); still listening", self._name, err)
                 time.sleep(0.05)
                 continue
-            if not self._all.acquire(blocking=False):
-                self._turn_away(sock)
-                continue
-            if not self._pending.acquire(blocking=False):
-                self._all.release()
+            source = str(peer[0])
+            if not self._admit(source):
                 self._turn_away(sock)
                 continue
             try:
-                threading.Thread(target=self._one, args=(sock,), name=self._name, daemon=True).start()
+                threading.Thread(target=self._one, args=(sock, source), name=self._name, daemon=True).start()
             except RuntimeError:  # no thread to be had
-                self._pending.release()
+                self._end_pending(source)
                 self._all.release()
                 self._turn_away(sock)
+
+    def _admit(self, source: str) -> bool:
+        """Room for one more connection in its handshake, from ``source``: all three limits hold."""
+        if not self._all.acquire(blocking=False):
+            return False
+        with self._count_lock:
+            if self._pending_from[source] < self._per_source and self._pending.acquire(blocking=False):
+                self._pending_from[source] += 1
+                return True
+        self._all.release()
+        return False
+
+    def _end_pending(self, source: str) -> None:
+        with self._count_lock:
+            self._pending_from[source] -= 1
+            if not self._pending_from[source]:
+                del self._pending_from[source]
+        self._pending.release()
 
     def _turn_away(self, sock: socket.socket) -> None:
         self.turned_away += 1
         with contextlib.suppress(OSError):
             sock.close()
 
-    def _one(self, sock: socket.socket) -> None:
+    def _one(self, sock: socket.socket, source: str) -> None:
         pending = True
         try:
             try:
@@ -316,7 +399,7 @@ class Server:
                 return
             except (OSError, ValueError):
                 return  # a peer that went away or never finished its hello
-            self._pending.release()
+            self._end_pending(source)
             pending = False
             try:
                 self._handle(conn)
@@ -326,10 +409,34 @@ class Server:
                 conn.close()
         finally:
             if pending:
-                self._pending.release()
+                self._end_pending(source)
             self._all.release()
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+REFUSAL_LOG_INTERVAL_S = 10.0  # at most one word about refused connections this often
+
+
+class RefusalLog:
+    """Says why a connection was refused at most once per ``REFUSAL_LOG_INTERVAL_S``, with how many
+    went unsaid since: peers without a key cannot flood a log."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+        self._lock = threading.Lock()
+        self._quiet_until = 0.0
+        self._unsaid = 0
+
+    def note(self, err: BaseException) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._quiet_until:
+                self._unsaid += 1
+                return
+            self._quiet_until = now + REFUSAL_LOG_INTERVAL_S
+            unsaid, self._unsaid = self._unsaid, 0
+        self._say("%s%s" % (err, " (and %d more refused since the last word)" % unsaid if unsaid else ""))
 
 
 def serve(listener: socket.socket, keys: Mapping[str, bytes], handle: Callable[[ServerConnection], None], name: str,

@@ -140,7 +140,7 @@ def _setup(rank: int):
     from airflow_provider_horovod.runner.channel import ChannelClient
     from airflow_provider_horovod.runner.plan import Plan, rank_env
     from airflow_provider_horovod.runner.procs import start_watchdog
-    from airflow_provider_horovod.runner.wire import ROLE_RANK, Credentials
+    from airflow_provider_horovod.runner.wire import Credentials, rank_role
 
     plan = Plan.from_json(Path(os.environ[names.ENV_PLAN]).read_text())
     slot = plan.slots[rank]
@@ -148,7 +148,7 @@ def _setup(rank: int):
     task = names.TaskDir(slot.task_dir)
     key = _take_key(task.rank_key(rank))
     host, _, port = os.environ.get(names.ENV_CHANNEL, "").rpartition(":")
-    client = ChannelClient((host, int(port)) if port and key else None, Credentials(ROLE_RANK, key))
+    client = ChannelClient((host, int(port)) if port and key else None, Credentials(rank_role(rank), key))
     runtime._client = client
     under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
     pump = OutputPump(rank, client, stream=os.environ.get(names.ENV_VERBOSITY, "all") == "all",

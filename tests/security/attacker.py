@@ -9,7 +9,7 @@ from airflow_provider_horovod.runner import wire
 
 SECRET = wire.new_secret()
 TASK = wire.Credentials.of(SECRET, wire.ROLE_TASK)
-RANK = wire.Credentials.of(SECRET, wire.ROLE_RANK)
+RANK = wire.Credentials.of(SECRET, wire.rank_role(0))  # rank 0: each rank has a key of its own
 EXEC = wire.Credentials.of(SECRET, wire.ROLE_EXEC)
 
 

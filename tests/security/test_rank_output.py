@@ -15,7 +15,7 @@ def test_control_characters_cannot_forge_records(caplog):
     address = channel.start("127.0.0.1")
     try:
         conn = wire.connect(address, RANK)
-        conn.send({"t": "logs", "rank": 1, "lines": ["loss 0.1\n[2026-12-03] {taskinstance.py} ERROR - forged",
+        conn.send({"t": "logs", "rank": 0, "lines": ["loss 0.1\n[2026-12-03] {taskinstance.py} ERROR - forged",
                                                       "\x1b[31mred\x1b[0m\rover", "tab\tstays", "sep\u2028line"]})
         conn.close()
         assert settle(lambda: len(caplog.records) == 4)
@@ -23,8 +23,8 @@ def test_control_characters_cannot_forge_records(caplog):
         channel.close()
     messages = [r.getMessage() for r in caplog.records]
     assert all("\n" not in m and "\r" not in m and "\x1b" not in m and "\u2028" not in m for m in messages)
-    assert messages[0] == "[rank 1] loss 0.1\\x0a[2026-12-03] {taskinstance.py} ERROR - forged"
-    assert messages[2] == "[rank 1] tab\tstays"
+    assert messages[0] == "[rank 0] loss 0.1\\x0a[2026-12-03] {taskinstance.py} ERROR - forged"
+    assert messages[2] == "[rank 0] tab\tstays"
 
 
 def test_one_line_leaves_ordinary_text_alone():

@@ -20,7 +20,8 @@ from tests.integration.test_runner import train_in_background
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
 
 SECRET = bytes(range(32))
-KEYS = [SECRET.hex()] + [wire.role_key(SECRET, role).hex() for role in (wire.ROLE_TASK, wire.ROLE_RANK, wire.ROLE_EXEC)]
+KEYS = [SECRET.hex()] + [wire.role_key(SECRET, role).hex()
+                         for role in (wire.ROLE_TASK, wire.ROLE_RANK, wire.ROLE_EXEC, wire.rank_role(0), wire.rank_role(1))]
 
 
 def _run_processes() -> list[psutil.Process]:

@@ -117,7 +117,7 @@ class HorovodRunner:
         if np == 0:
             raise ValueError("np must be non-zero: np > 0 runs np barrier tasks, np < 0 runs -np processes on the driver")
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
-                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files)
+                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline)
         env = dict(env or {})
         bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:

@@ -220,3 +220,14 @@ def checkpoint_then_sleep_job(step: int = 5, marker: str = ""):
         if marker:
             open(marker, "w").close()
     time.sleep(600)
+
+
+def unpicklable_result_job():
+    """Saves a checkpoint on rank 0, then returns what cannot be pickled (a lock)."""
+    import threading
+
+    from airflow_provider_horovod import runtime
+
+    if runtime.rank() == 0:
+        (runtime.checkpoint_dir() / "model.pt").write_bytes(b"weights")
+    return threading.Lock()

@@ -169,11 +169,30 @@ def test_without_logging_configured_rank_lines_go_to_stdout_tagged_with_rank(tmp
     assert lines[-1] == "RESULT (0, 2)"
 
 
+def test_unpicklable_return_value_fails_in_the_rank_saying_what_to_return_instead(tmp_path):
+    runner = HorovodRunner(-1, launcher="gloo", artifact_dir=tmp_path / "run")
+    with pytest.raises(HorovodRunError) as info:
+        runner.run(jobs.unpicklable_result_job)
+    err = info.value
+    assert err.rank == 0
+    assert "Rank 0's return value (a lock) cannot be pickled" in str(err)
+    assert "save the object under runtime.checkpoint_dir()" in str(err)
+    assert (tmp_path / "run" / "checkpoints" / "model.pt").read_bytes() == b"weights"  # the training is not lost
+
+
 def test_unpicklable_kwarg_fails_before_any_spark_job(spark):
     tracker = spark.sparkContext.statusTracker()
     jobs_before = set(tracker.getJobIdsForGroup())
-    with pytest.raises(PayloadError, match="keyword argument 'lock'"):
-        HorovodRunner(2, spark=spark).run(jobs.allreduce_job, lock=threading.Lock())
+    with pytest.raises(PayloadError, match="keyword argument 'tag' \\(a lock"):
+        HorovodRunner(2, spark=spark).run(jobs.allreduce_job, tag=threading.Lock())
+    assert set(tracker.getJobIdsForGroup()) == jobs_before
+
+
+def test_kwarg_the_function_does_not_take_fails_before_any_spark_job(spark):
+    tracker = spark.sparkContext.statusTracker()
+    jobs_before = set(tracker.getJobIdsForGroup())
+    with pytest.raises(PayloadError, match="do not fit the training function allreduce_job.*unexpected keyword argument 'tags'"):
+        HorovodRunner(2, spark=spark).run(jobs.allreduce_job, tags="x")
     assert set(tracker.getJobIdsForGroup()) == jobs_before
 
 

@@ -20,7 +20,13 @@ from typing import Any
 
 import cloudpickle
 
-from airflow_provider_horovod.exceptions import ArtifactError, HorovodRunError, InsufficientSlotsError, RunCancelledError
+from airflow_provider_horovod.exceptions import (
+    ArtifactError,
+    HorovodRunError,
+    InsufficientSlotsError,
+    RunCancelledError,
+    rank_error,
+)
 from airflow_provider_horovod.runner import names, procs, wire
 from airflow_provider_horovod.runner.artifacts import Limits, check_writable, commit
 from airflow_provider_horovod.runner.barrier import TaskFailure, check_facts, parse_failure, run_local, run_task
@@ -463,8 +469,8 @@ class HorovodRunner:
         for other in others:  # what the other hosts' daemons said, when they said anything
             if other is not cause and other.rank is None and other.launcher_output:
                 message += "\n%s" % "\n".join(other.launcher_output[-20:])
-        return HorovodRunError(message, rank=failure.rank, host=failure.host, remote_traceback=failure.traceback or None,
-                               log_tail=tails)
+        return rank_error(failure.error_class, message, rank=failure.rank, host=failure.host,
+                          remote_traceback=failure.traceback or None, log_tail=tails)
 
     def _spark_error(self, err: BaseException, channel: Channel) -> HorovodRunError:
         if self._cancelled.is_set():

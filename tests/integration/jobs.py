@@ -231,3 +231,13 @@ def unpicklable_result_job():
     if runtime.rank() == 0:
         (runtime.checkpoint_dir() / "model.pt").write_bytes(b"weights")
     return threading.Lock()
+
+
+def provider_error_job(fail_rank: int = 0):
+    """Raises the provider's own Keras3NotSupportedError on ``fail_rank`` (as the Keras guard does)."""
+    from airflow_provider_horovod import runtime
+    from airflow_provider_horovod.exceptions import Keras3NotSupportedError
+
+    if runtime.rank() == fail_rank:
+        raise Keras3NotSupportedError("Keras 3 object given to Horovod (raised by the test)")
+    return runtime.rank()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from airflow_provider_horovod import HorovodRunError, HorovodRunner, PayloadError, RunCancelledError
+from airflow_provider_horovod import HorovodRunError, HorovodRunner, Keras3NotSupportedError, PayloadError, RunCancelledError
 from tests.conftest import ours, wait_no_run_processes
 from tests.integration import jobs
 
@@ -100,10 +100,22 @@ def test_rank_failure_surfaces_remote_traceback(spark, launcher):
         HorovodRunner(2, launcher=launcher, spark=spark).run(jobs.failing_job, fail_rank=1)
     assert time.monotonic() - started < 30
     err = info.value
+    assert type(err) is HorovodRunError  # the user's own exception: HorovodRunError, as documented
     assert err.rank == 1
     assert err.host == "hvdhost0"
     assert "ValueError: boom from rank 1" in str(err)
     assert "failing_job" in err.remote_traceback  # the frame of the user's function
+
+
+@pytest.mark.parametrize(("np", "launcher"), [(2, "mpirun"), (-2, "gloo")])
+def test_provider_exception_raised_in_a_rank_is_raised_on_the_driver_as_that_type(spark, np, launcher):
+    with pytest.raises(Keras3NotSupportedError) as info:  # the except clause docs/how-to.md names
+        HorovodRunner(np, launcher=launcher, spark=spark).run(jobs.provider_error_job, fail_rank=1)
+    err = info.value
+    assert isinstance(err, HorovodRunError)
+    assert err.rank == 1 and err.host  # the rank and its host, as for any rank failure
+    assert "Keras 3 object given to Horovod (raised by the test)" in str(err)
+    assert "provider_error_job" in err.remote_traceback
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
@@ -171,7 +183,7 @@ def test_without_logging_configured_rank_lines_go_to_stdout_tagged_with_rank(tmp
 
 def test_unpicklable_return_value_fails_in_the_rank_saying_what_to_return_instead(tmp_path):
     runner = HorovodRunner(-1, launcher="gloo", artifact_dir=tmp_path / "run")
-    with pytest.raises(HorovodRunError) as info:
+    with pytest.raises(PayloadError) as info:  # and a HorovodRunError naming the rank
         runner.run(jobs.unpicklable_result_job)
     err = info.value
     assert err.rank == 0

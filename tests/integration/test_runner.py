@@ -163,22 +163,44 @@ def test_cancel_mid_training_interrupts_the_job_and_leaves_no_process(spark, lau
     assert spark.sparkContext.statusTracker().getActiveJobsIds() == []
 
 
-def test_without_logging_configured_rank_lines_go_to_stdout_tagged_with_rank(tmp_path):
+LOGGING_SETUPS = {
+    "none": "",
+    "basicConfig": "logging.basicConfig()",  # a root at WARNING, which would drop INFO lines
+    "basicConfig_info": "logging.basicConfig(level=logging.INFO)",
+    "ranks_silenced": "logging.basicConfig(); logging.getLogger('airflow_provider_horovod.ranks').setLevel(logging.WARNING)",
+}
+
+
+@pytest.mark.parametrize(("setup", "verbosity", "stdout_lines", "stderr_lines", "absent"), [
+    ("none", "all", ["[rank 0] plain print from rank 0", "[rank 1] callback from rank 1"], [], []),
+    ("basicConfig", "all", ["[rank 0] plain print from rank 0", "[rank 1] callback from rank 1"], [], []),
+    ("basicConfig", "log_callback_only", ["[rank 0] callback from rank 0", "[rank 1] callback from rank 1"], [],
+     ["plain print"]),
+    ("basicConfig_info", "all", [], ["INFO:airflow_provider_horovod.ranks:[rank 0] plain print from rank 0",
+                                     "INFO:airflow_provider_horovod.ranks:[rank 1] callback from rank 1"], []),
+    ("ranks_silenced", "all", [], [], ["plain print", "callback from"]),
+])
+def test_rank_lines_reach_an_engine_user_whatever_the_logging_setup(setup, verbosity, stdout_lines, stderr_lines, absent):
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    code = ("from airflow_provider_horovod import HorovodRunner\n"
+    code = ("import logging\n%s\n"
+            "from airflow_provider_horovod import HorovodRunner\n"
             "from tests.integration import jobs\n"
-            "print('RESULT', HorovodRunner(-2, launcher='gloo').run(jobs.log_job))\n")
+            "print('RESULT', HorovodRunner(-2, launcher='gloo', driver_log_verbosity=%r).run(jobs.log_job))\n"
+            % (LOGGING_SETUPS[setup], verbosity))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert "[rank 0] plain print from rank 0" in lines and "[rank 1] callback from rank 1" in lines
-    assert lines[-1] == "RESULT (0, 2)"
+    out, err = proc.stdout.splitlines(), proc.stderr.splitlines()
+    assert out[-1] == "RESULT (0, 2)"
+    rank_lines_on_stdout = [line for line in out if line.startswith("[rank ")]
+    assert set(stdout_lines) <= set(rank_lines_on_stdout) and bool(stdout_lines) == bool(rank_lines_on_stdout), proc.stdout
+    assert set(stderr_lines) <= set(err), proc.stderr[-3000:]
+    assert [text for text in absent if text in proc.stdout + proc.stderr] == []
 
 
 def test_unpicklable_return_value_fails_in_the_rank_saying_what_to_return_instead(tmp_path):

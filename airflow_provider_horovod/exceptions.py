@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from airflow_provider_horovod.runner.text import one_line, quoted_text
 
 
@@ -64,3 +66,31 @@ class ArtifactError(RuntimeError):
         if result is not None:
             message += " Rank 0's result was: %r" % (result,)
         super().__init__(message)
+
+
+def provider_class_name(err: BaseException) -> str | None:
+    """The name of the nearest class of this module in ``err``'s ancestry, or ``None`` (a user's
+    own exception). A rank sends it with its failure, so the driver can raise the same type."""
+    return next((c.__name__ for c in type(err).__mro__ if c.__module__ == __name__), None)
+
+
+def rank_error(class_name: str | None, message: str, **details: object) -> HorovodRunError:
+    """The driver's error for a failed rank: a ``HorovodRunError`` (``rank``, ``host``,
+    ``remote_traceback``, ``log_tail`` in ``details``) that is also of the provider exception the
+    rank raised, so ``except Keras3NotSupportedError`` works on the driver as documented. A user's
+    own exception gives a plain ``HorovodRunError``."""
+    cls = globals().get(class_name or "")
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        return HorovodRunError(message, **details)
+    if issubclass(cls, HorovodRunError):
+        return cls(message, **details)
+    return _raised_in_a_rank(cls)(message, **details)
+
+
+@functools.cache
+def _raised_in_a_rank(cls: type[Exception]) -> type[HorovodRunError]:
+    """``cls`` and ``HorovodRunError`` at once, under ``cls``'s name."""
+    return type(cls.__name__, (cls, HorovodRunError), {
+        "__module__": __name__, "__init__": HorovodRunError.__init__,
+        "__doc__": "%s raised in a rank; also a HorovodRunError naming the rank." % cls.__name__,
+    })

@@ -7,7 +7,7 @@ Import it inside the training function::
         from airflow_provider_horovod import runtime
 
         hvd.init()
-        runtime.log_to_driver("epoch 1 done")          # always reaches the driver's log
+        runtime.log_to_driver("epoch 1 done")          # reaches the driver, whatever the verbosity
         torch.save(state, runtime.checkpoint_dir() / "epoch-1.pt")   # rank 0's folder comes back
 
 Outside a rank every function answers as a single local process would (rank 0 of 1).
@@ -66,7 +66,9 @@ def in_runner() -> bool:
 
 
 def log_to_driver(message: object) -> None:
-    """Send ``message`` to the driver's log, whatever ``driver_log_verbosity`` is."""
+    """Send ``message`` to the driver, whatever ``driver_log_verbosity`` is: to its
+    ``airflow_provider_horovod.ranks`` logger when that shows INFO lines (Airflow's task log), else
+    to its stdout."""
     text = str(message)
     if _client is not None and _client.connected:
         _client.send({"t": names.MSG_LOGS, "rank": rank(), "lines": text.splitlines() or [""], "callback": True})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -10,12 +11,14 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import Asset, BaseOperator
+from airflow.sdk.definitions._internal.mixins import ResolveMixin
 
 from airflow_provider_horovod import store
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.runner.artifacts import Limits
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
 from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, check_options
+from airflow_provider_horovod.runner.payload import check_arguments
 from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
 
 if TYPE_CHECKING:
@@ -116,7 +119,8 @@ class HorovodRunnerOperator(BaseOperator):
         super().__init__(**kwargs)
         # not templated: checked when the DAG is parsed, as the engine would check them
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
-                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files)
+                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline)
+        check_when_parsed(training_callable, np=np, op_args=op_args, op_kwargs=op_kwargs, resume=resume)
         self.training_callable = training_callable
         self.np = np
         self.op_args = op_args or []
@@ -139,9 +143,10 @@ class HorovodRunnerOperator(BaseOperator):
         return HorovodRunnerHook(self.spark_conn_id, spark_conf=self.spark_conf, app_name="%s.%s" % (self.dag_id, self.task_id))
 
     def execute(self, context: Context) -> dict[str, Any]:
-        np = validate_np(self.np)
-        self.hook.check_job(self.training_callable, self.op_args, self.op_kwargs)
         self._push_links(context)
+        np = validate_np(self.np)
+        validate_resume(self.resume)
+        self.hook.check_job(self.training_callable, self.op_args, self.op_kwargs)
         folder = self._try_folder(context)
         source, resume_from = self._resume_from(folder, context)
         self._push_spark_ui(context, np)
@@ -337,6 +342,33 @@ def validate_np(np: Any) -> int:
             "got %r. Fix the np argument or the template that renders it." % (np,)
         )
     return value
+
+
+def validate_resume(resume: Any) -> None:
+    """``resume`` after templating: ``"auto"``, ``"never"`` (or empty), or where a checkpoint is."""
+    if resume in (None, "", RESUME_AUTO, RESUME_NEVER):
+        return
+    if not isinstance(resume, str) or not (re.match(r"^[a-zA-Z][\w+.-]*://", resume) or resume.startswith("/")):
+        raise ValueError(
+            "resume must be 'auto', 'never', or the URI of a checkpoint (a try folder or its checkpoints/: "
+            "s3://bucket/..., file:///..., or an absolute path); got %r." % (resume,)
+        )
+
+
+def check_when_parsed(training_callable: Any, *, np: Any, op_args: Any, op_kwargs: Any, resume: Any) -> None:
+    """What can be checked when the DAG is parsed: the values that are not rendered later (a Jinja
+    template, an XComArg) get the check ``execute`` gives them after templating."""
+    if not _rendered_later(np):
+        validate_np(np)
+    if not _rendered_later(resume):
+        validate_resume(resume)
+    args, kwargs = op_args or [], op_kwargs or {}
+    if callable(training_callable) and isinstance(args, (list, tuple)) and isinstance(kwargs, dict):
+        check_arguments(training_callable, tuple(args), kwargs)  # names and number only: values may be templates
+
+
+def _rendered_later(value: Any) -> bool:
+    return isinstance(value, ResolveMixin) or (isinstance(value, str) and ("{{" in value or "{%" in value))
 
 
 def _failure(error: BaseException, last_run: dict[str, Any]) -> dict[str, Any]:

@@ -48,23 +48,38 @@ rank_log = logging.getLogger("airflow_provider_horovod.ranks")
 
 
 class RankOutput:
-    """Where rank lines go on the driver: the ``airflow_provider_horovod.ranks`` logger when logging
-    is set up (Airflow's task log), else the driver's stdout (a notebook, a script). Control
-    characters are escaped (``one_line``)."""
+    """Where rank lines go on the driver: the ``airflow_provider_horovod.ranks`` logger at INFO when
+    it shows INFO (Airflow's task log), else the driver's stdout (a notebook, a script, or a root
+    logger at WARNING, as after a bare ``logging.basicConfig()``). A level set on the ranks logger or
+    on ``airflow_provider_horovod`` is obeyed: that is how to silence them. Decided per batch of
+    lines, so logging set up during the run counts. Control characters are escaped (``one_line``)."""
 
     def __init__(self, *, stream_all: bool) -> None:
         self.stream_all = stream_all
-        self.to_stdout = not rank_log.hasHandlers()
 
     def __call__(self, rank: int, lines: list[str], *, callback: bool) -> None:
         if not (self.stream_all or callback):
             return
-        if self.to_stdout:
+        if not _logging_takes_rank_lines():
             sys.stdout.write("".join("[rank %d] %s\n" % (rank, one_line(line)) for line in lines))
             sys.stdout.flush()
         else:
             for line in lines:
                 rank_log.info("[rank %d] %s", rank, one_line(line))
+
+
+def _logging_takes_rank_lines() -> bool:
+    """Logging is set up, and either shows the ranks logger's INFO lines or was told a level for it."""
+    if not rank_log.hasHandlers():
+        return False
+    if rank_log.isEnabledFor(logging.INFO):
+        return True
+    logger: logging.Logger | None = rank_log
+    while logger is not None and logger is not logging.root:
+        if logger.level != logging.NOTSET:
+            return True  # the user chose this package's level: lines below it are dropped on purpose
+        logger = logger.parent
+    return False
 
 
 # What each role may say: a rank process only reports its output and its failure.

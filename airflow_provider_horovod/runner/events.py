@@ -19,6 +19,7 @@ class Failure:
     host: str | None = None
     executor: str | None = None
     exception: str | None = None  # "ValueError: boom", when Python raised
+    error_class: str | None = None  # the provider exception raised ("Keras3NotSupportedError"), if one
     exit: str | None = None  # "exited with code 3", "was killed by SIGKILL"
     traceback: str = ""
     tail: tuple[str, ...] = ()  # the rank's last lines of output

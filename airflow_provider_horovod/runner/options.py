@@ -9,7 +9,7 @@ DEFAULT_START_TIMEOUT_S = 120.0
 
 
 def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: float,
-                  max_artifact_bytes: int, max_artifact_files: int) -> None:
+                  max_artifact_bytes: int, max_artifact_files: int, timeline: bool = False) -> None:
     """The engine's options that are checked without Spark: a ``ValueError`` that names the fix.
 
     ``HorovodRunner`` checks them when it is made; the operator when the DAG is parsed.
@@ -23,3 +23,5 @@ def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: fl
     for name, value in (("max_artifact_bytes", max_artifact_bytes), ("max_artifact_files", max_artifact_files)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError("%s must be a positive int; got %r" % (name, value))
+    if not isinstance(timeline, bool):
+        raise ValueError("timeline must be True or False; got %r" % (timeline,))

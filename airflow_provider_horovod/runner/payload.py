@@ -8,6 +8,7 @@ installed package is pickled by reference, as any library function is.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import sysconfig
 import types
@@ -89,10 +90,28 @@ def _culprit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     return "the function itself"
 
 
+def check_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Fail as the call in the ranks would, but now: ``PayloadError`` when the arguments do not fit
+    ``fn``'s signature (only their number and names count, not their values)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin): the ranks' call will tell
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        raise PayloadError(
+            "The arguments do not fit the training function %s%s: %s. Fix op_args/op_kwargs (or the "
+            "arguments given to run())." % (getattr(fn, "__qualname__", repr(fn)), signature, err)
+        ) from None
+
+
 def build_payload(main: Callable[..., Any] | str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> bytes:
-    """Pickle ``main`` with its arguments; raise ``PayloadError`` naming what cannot be pickled."""
+    """Pickle ``main`` with its arguments; raise ``PayloadError`` naming what cannot be pickled, or
+    when the arguments do not fit its signature."""
     fn = resolve_callable(main)
     kwargs = dict(kwargs or {})
+    check_arguments(fn, tuple(args), kwargs)
     _register_by_value(fn)
     try:
         return cloudpickle.dumps((fn, tuple(args), kwargs))

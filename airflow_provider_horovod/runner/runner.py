@@ -20,7 +20,13 @@ from typing import Any
 
 import cloudpickle
 
-from airflow_provider_horovod.exceptions import ArtifactError, HorovodRunError, InsufficientSlotsError, RunCancelledError
+from airflow_provider_horovod.exceptions import (
+    ArtifactError,
+    HorovodRunError,
+    InsufficientSlotsError,
+    RunCancelledError,
+    rank_error,
+)
 from airflow_provider_horovod.runner import names, procs, wire
 from airflow_provider_horovod.runner.artifacts import Limits, check_writable, commit
 from airflow_provider_horovod.runner.barrier import TaskFailure, check_facts, parse_failure, run_local, run_task
@@ -127,7 +133,7 @@ class HorovodRunner:
         if np == 0:
             raise ValueError("np must be non-zero: np > 0 runs np barrier tasks, np < 0 runs -np processes on the driver")
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
-                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files)
+                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline)
         env = dict(env or {})
         bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
@@ -485,8 +491,8 @@ class HorovodRunner:
         for other in others:  # what the other hosts' daemons said, when they said anything
             if other is not cause and other.rank is None and other.launcher_output:
                 message += "\n%s" % quoted(other.launcher_output[-20:])
-        return HorovodRunError(message, rank=failure.rank, host=failure.host, remote_traceback=failure.traceback or None,
-                               log_tail=tails)
+        return rank_error(failure.error_class, message, rank=failure.rank, host=failure.host,
+                          remote_traceback=failure.traceback or None, log_tail=tails)
 
     def _spark_error(self, err: BaseException, channel: Channel) -> HorovodRunError:
         if self._cancelled.is_set():

@@ -176,18 +176,37 @@ def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
     sys.stderr.write(text)
     from airflow_provider_horovod.runner.host import where
 
+    from airflow_provider_horovod.exceptions import provider_class_name
+
     exception = "%s: %s" % (type(err).__name__, err)
     if pump is not None:
         pump.close()
     failure = Failure(message="%s failed: %s" % (where(slot) if slot else "Rank %d" % rank, exception), rank=rank, host=getattr(slot, "hostname", None),
                       executor=getattr(slot, "executor", None), exception=exception, traceback=text,
-                      tail=tuple(pump.tail) if pump is not None else ())
+                      tail=tuple(pump.tail) if pump is not None else (), error_class=provider_class_name(err))
     if task is not None:
         with contextlib.suppress(OSError):
             task.error(rank).write_text(json.dumps(failure.to_json()))
     if client is not None:
         client.send_now({"t": MSG_ERROR, **failure.to_json()})
         client.close()
+
+
+def _pickled_result(result: object) -> bytes:
+    """Rank 0's return value, pickled; a ``PayloadError`` that says what to return instead."""
+    import cloudpickle
+
+    from airflow_provider_horovod.exceptions import PayloadError
+
+    try:
+        return cloudpickle.dumps(result)
+    except Exception as err:
+        raise PayloadError(
+            "Rank 0's return value (a %s) cannot be pickled, so it cannot travel back to the driver (%s: %s). "
+            "Return plain data (numbers, strings, lists, dicts, numpy arrays, CPU tensors), or save the object "
+            "under runtime.checkpoint_dir() (it comes back with the artifacts) and return its file name."
+            % (type(result).__qualname__, type(err).__name__, err)
+        ) from err
 
 
 def main() -> int:
@@ -203,10 +222,8 @@ def main() -> int:
         fn, args, kwargs = load_payload(Path(os.environ[ENV_PAYLOAD]).read_bytes())
         result = fn(*args, **kwargs)
         if rank == 0:
-            import cloudpickle
-
             tmp = task.result.with_name(task.result.name + ".tmp")
-            tmp.write_bytes(cloudpickle.dumps(result))
+            tmp.write_bytes(_pickled_result(result))
             os.replace(tmp, task.result)
     except BaseException as err:  # noqa: BLE001 - every failure must reach the driver
         _report(rank, slot, task, client, pump, err)

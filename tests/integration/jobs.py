@@ -250,3 +250,24 @@ def durable_job(steps: int = 4, pause: float = 0.5, explicit: bool = False, mark
                     f.write(str(step))
         time.sleep(pause)
     return {"start": start}
+
+
+def unpicklable_result_job():
+    """Saves a checkpoint on rank 0, then returns what cannot be pickled (a lock)."""
+    import threading
+
+    from airflow_provider_horovod import runtime
+
+    if runtime.rank() == 0:
+        (runtime.checkpoint_dir() / "model.pt").write_bytes(b"weights")
+    return threading.Lock()
+
+
+def provider_error_job(fail_rank: int = 0):
+    """Raises the provider's own Keras3NotSupportedError on ``fail_rank`` (as the Keras guard does)."""
+    from airflow_provider_horovod import runtime
+    from airflow_provider_horovod.exceptions import Keras3NotSupportedError
+
+    if runtime.rank() == fail_rank:
+        raise Keras3NotSupportedError("Keras 3 object given to Horovod (raised by the test)")
+    return runtime.rank()

@@ -301,8 +301,12 @@ def test_bad_input_fails_before_training_with_errors_that_name_the_fix(airflow):
     states = airflow.task_states("hvd_test_bad_input")
     assert {task: state for task, (state, _) in states.items()} == {
         "np_not_an_int": "failed", "reference_does_not_import": "failed", "unwritable_root": "failed",
+        "kwargs_do_not_fit": "failed", "resume_not_a_uri": "failed",
     }, explain(proc)
     assert "np must be a non-zero int after templating" in output and "'two'" in output
+    assert "unexpected keyword argument 'epochs'" in output
+    assert "resume must be 'auto', 'never', or the URI of a checkpoint" in output and "'sometimes'" in output
+    assert "XCom not found" not in output  # the link keys were pushed before the first check
     assert "Cannot import module 'no_such_pkg_hvd.train'" in output
     assert "Cannot write Horovod artifacts under file:///proc/hvd-cannot-write-here" in output
     assert "Starting Horovod job" not in output and "Starting a SparkSession" not in output

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from airflow_provider_horovod import HorovodRunError, HorovodRunner, PayloadError, RunCancelledError
+from airflow_provider_horovod import HorovodRunError, HorovodRunner, Keras3NotSupportedError, PayloadError, RunCancelledError
 from tests.conftest import ours, wait_no_run_processes
 from tests.integration import jobs
 
@@ -100,10 +100,22 @@ def test_rank_failure_surfaces_remote_traceback(spark, launcher):
         HorovodRunner(2, launcher=launcher, spark=spark).run(jobs.failing_job, fail_rank=1)
     assert time.monotonic() - started < 30
     err = info.value
+    assert type(err) is HorovodRunError  # the user's own exception: HorovodRunError, as documented
     assert err.rank == 1
     assert err.host == "hvdhost0"
     assert "ValueError: boom from rank 1" in str(err)
     assert "failing_job" in err.remote_traceback  # the frame of the user's function
+
+
+@pytest.mark.parametrize(("np", "launcher"), [(2, "mpirun"), (-2, "gloo")])
+def test_provider_exception_raised_in_a_rank_is_raised_on_the_driver_as_that_type(spark, np, launcher):
+    with pytest.raises(Keras3NotSupportedError) as info:  # the except clause docs/how-to.md names
+        HorovodRunner(np, launcher=launcher, spark=spark).run(jobs.provider_error_job, fail_rank=1)
+    err = info.value
+    assert isinstance(err, HorovodRunError)
+    assert err.rank == 1 and err.host  # the rank and its host, as for any rank failure
+    assert "Keras 3 object given to Horovod (raised by the test)" in str(err)
+    assert "provider_error_job" in err.remote_traceback
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
@@ -151,29 +163,70 @@ def test_cancel_mid_training_interrupts_the_job_and_leaves_no_process(spark, lau
     assert spark.sparkContext.statusTracker().getActiveJobsIds() == []
 
 
-def test_without_logging_configured_rank_lines_go_to_stdout_tagged_with_rank(tmp_path):
+LOGGING_SETUPS = {
+    "none": "",
+    "basicConfig": "logging.basicConfig()",  # a root at WARNING, which would drop INFO lines
+    "basicConfig_info": "logging.basicConfig(level=logging.INFO)",
+    "ranks_silenced": "logging.basicConfig(); logging.getLogger('airflow_provider_horovod.ranks').setLevel(logging.WARNING)",
+}
+
+
+@pytest.mark.parametrize(("setup", "verbosity", "stdout_lines", "stderr_lines", "absent"), [
+    ("none", "all", ["[rank 0] plain print from rank 0", "[rank 1] callback from rank 1"], [], []),
+    ("basicConfig", "all", ["[rank 0] plain print from rank 0", "[rank 1] callback from rank 1"], [], []),
+    ("basicConfig", "log_callback_only", ["[rank 0] callback from rank 0", "[rank 1] callback from rank 1"], [],
+     ["plain print"]),
+    ("basicConfig_info", "all", [], ["INFO:airflow_provider_horovod.ranks:[rank 0] plain print from rank 0",
+                                     "INFO:airflow_provider_horovod.ranks:[rank 1] callback from rank 1"], []),
+    ("ranks_silenced", "all", [], [], ["plain print", "callback from"]),
+])
+def test_rank_lines_reach_an_engine_user_whatever_the_logging_setup(setup, verbosity, stdout_lines, stderr_lines, absent):
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    code = ("from airflow_provider_horovod import HorovodRunner\n"
+    code = ("import logging\n%s\n"
+            "from airflow_provider_horovod import HorovodRunner\n"
             "from tests.integration import jobs\n"
-            "print('RESULT', HorovodRunner(-2, launcher='gloo').run(jobs.log_job))\n")
+            "print('RESULT', HorovodRunner(-2, launcher='gloo', driver_log_verbosity=%r).run(jobs.log_job))\n"
+            % (LOGGING_SETUPS[setup], verbosity))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert "[rank 0] plain print from rank 0" in lines and "[rank 1] callback from rank 1" in lines
-    assert lines[-1] == "RESULT (0, 2)"
+    out, err = proc.stdout.splitlines(), proc.stderr.splitlines()
+    assert out[-1] == "RESULT (0, 2)"
+    rank_lines_on_stdout = [line for line in out if line.startswith("[rank ")]
+    assert set(stdout_lines) <= set(rank_lines_on_stdout) and bool(stdout_lines) == bool(rank_lines_on_stdout), proc.stdout
+    assert set(stderr_lines) <= set(err), proc.stderr[-3000:]
+    assert [text for text in absent if text in proc.stdout + proc.stderr] == []
+
+
+def test_unpicklable_return_value_fails_in_the_rank_saying_what_to_return_instead(tmp_path):
+    runner = HorovodRunner(-1, launcher="gloo", artifact_dir=tmp_path / "run")
+    with pytest.raises(PayloadError) as info:  # and a HorovodRunError naming the rank
+        runner.run(jobs.unpicklable_result_job)
+    err = info.value
+    assert err.rank == 0
+    assert "Rank 0's return value (a lock) cannot be pickled" in str(err)
+    assert "save the object under runtime.checkpoint_dir()" in str(err)
+    assert (tmp_path / "run" / "checkpoints" / "model.pt").read_bytes() == b"weights"  # the training is not lost
 
 
 def test_unpicklable_kwarg_fails_before_any_spark_job(spark):
     tracker = spark.sparkContext.statusTracker()
     jobs_before = set(tracker.getJobIdsForGroup())
-    with pytest.raises(PayloadError, match="keyword argument 'lock'"):
-        HorovodRunner(2, spark=spark).run(jobs.allreduce_job, lock=threading.Lock())
+    with pytest.raises(PayloadError, match="keyword argument 'tag' \\(a lock"):
+        HorovodRunner(2, spark=spark).run(jobs.allreduce_job, tag=threading.Lock())
+    assert set(tracker.getJobIdsForGroup()) == jobs_before
+
+
+def test_kwarg_the_function_does_not_take_fails_before_any_spark_job(spark):
+    tracker = spark.sparkContext.statusTracker()
+    jobs_before = set(tracker.getJobIdsForGroup())
+    with pytest.raises(PayloadError, match="do not fit the training function allreduce_job.*unexpected keyword argument 'tags'"):
+        HorovodRunner(2, spark=spark).run(jobs.allreduce_job, tags="x")
     assert set(tracker.getJobIdsForGroup()) == jobs_before
 
 

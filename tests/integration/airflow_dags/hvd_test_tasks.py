@@ -77,8 +77,13 @@ def hvd_test_kill():
     forever()
 
 
-@dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False, params={"ranks": "two"})
+@dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False,
+     params={"ranks": "two", "resume": "sometimes"})
 def hvd_test_bad_input():
+    HorovodRunnerOperator(task_id="kwargs_do_not_fit", training_callable="airflow_provider_horovod.runtime:size", np=2,
+                          op_kwargs={"epochs": 3})
+    HorovodRunnerOperator(task_id="resume_not_a_uri", training_callable="airflow_provider_horovod.runtime:size", np=2,
+                          resume="{{ params.resume }}")
     HorovodRunnerOperator(task_id="np_not_an_int", training_callable="airflow_provider_horovod.runtime:size",
                           np="{{ params.ranks }}")
     HorovodRunnerOperator(task_id="reference_does_not_import", training_callable="no_such_pkg_hvd.train:main", np=2)

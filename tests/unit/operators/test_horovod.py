@@ -52,11 +52,78 @@ def test_engine_options_are_checked_when_the_dag_is_parsed(option, value, messag
         HorovodRunnerOperator(task_id="t", training_callable=train, **{option: value})
 
 
+class RecordingTaskInstance:
+    """What ``execute`` needs of a task instance before anything starts: its keys and ``xcom_push``."""
+
+    dag_id, run_id, task_id, map_index, try_number = "d", "manual__1", "t", -1, 1
+
+    def __init__(self) -> None:
+        self.pushed: dict[str, object] = {}
+
+    def xcom_push(self, key: str, value: object) -> None:
+        self.pushed[key] = value
+
+
 @pytest.mark.parametrize("np", ["two", "2.5", "", None, 0, "0", True, 1.5, [2]])
-def test_np_that_is_not_a_non_zero_int_fails_execute_before_anything_starts(np):
-    op = HorovodRunnerOperator(task_id="t", training_callable=train, np=np, op_kwargs={"lr": 0.1})
+def test_untemplated_np_that_is_not_a_non_zero_int_fails_when_the_dag_is_parsed(np):
     with pytest.raises(ValueError, match=r"np must be a non-zero int after templating .*Fix the np argument"):
-        op.execute({})  # an empty context: np is checked first, before any connection or Spark
+        HorovodRunnerOperator(task_id="t", training_callable=train, np=np, op_kwargs={"lr": 0.1})
+
+
+@pytest.mark.parametrize("rendered", ["two", "0", ""])
+def test_templated_np_that_renders_badly_fails_execute_after_pushing_the_link_keys(rendered):
+    op = HorovodRunnerOperator(task_id="t", training_callable=train, np="{{ params.ranks }}", op_kwargs={"lr": 0.1})
+    op.render_template_fields({"params": {"ranks": rendered}})
+    ti = RecordingTaskInstance()
+    with pytest.raises(ValueError, match=r"np must be a non-zero int after templating"):
+        op.execute({"ti": ti})  # before any connection or Spark
+    # every extra link's key exists, so the end of the failed task logs no "XCom not found"
+    assert set(ti.pushed) == {SparkUILink.xcom_key, HorovodTimelineLink.xcom_key}
+
+
+def test_op_kwargs_key_the_function_does_not_take_fails_when_the_dag_is_parsed():
+    with pytest.raises(PayloadError, match=r"do not fit the training function train\(lr: float, epochs: int = 1\).*"
+                                            r"unexpected keyword argument 'epoch'.*Fix op_args/op_kwargs"):
+        HorovodRunnerOperator(task_id="t", training_callable=train, op_kwargs={"lr": 0.1, "epoch": 3})
+
+
+def test_missing_argument_fails_when_the_dag_is_parsed_even_with_templated_values():
+    with pytest.raises(PayloadError, match="missing a required argument: 'lr'"):
+        HorovodRunnerOperator(task_id="t", training_callable=train, op_kwargs={"epochs": "{{ params.e }}"})
+    HorovodRunnerOperator(task_id="t", training_callable=train, op_args=["{{ params.lr }}"])  # fits: no error
+
+
+def test_task_horovod_call_that_does_not_fit_the_function_fails_when_the_dag_is_parsed():
+    with DAG("d", schedule=None), pytest.raises(TypeError, match="epoch"):
+        task.horovod(np=2)(train)(lr=0.1, epoch=3)
+
+
+def test_op_kwargs_of_a_reference_string_are_checked_before_anything_starts():
+    with pytest.raises(PayloadError, match="unexpected keyword argument 'epochs'"):
+        HorovodRunnerHook.check_job("airflow_provider_horovod.runtime:size", (), {"epochs": 3})
+
+
+def test_timeline_that_is_not_a_bool_fails_when_the_dag_is_parsed():
+    with pytest.raises(ValueError, match="timeline must be True or False; got 'yes'"):
+        HorovodRunnerOperator(task_id="t", training_callable=train, op_args=[0.1], timeline="yes")
+
+
+@pytest.mark.parametrize("resume", ["sometimes", "checkpoints/epoch-3", 3])
+def test_resume_that_is_neither_a_keyword_nor_a_uri_fails_when_the_dag_is_parsed(resume):
+    with pytest.raises(ValueError, match="resume must be 'auto', 'never', or the URI of a checkpoint"):
+        HorovodRunnerOperator(task_id="t", training_callable=train, op_args=[0.1], resume=resume)
+
+
+@pytest.mark.parametrize("resume", ["auto", "never", "", None, "s3://bucket/model/try-1", "file:///ckpt", "/data/ckpt"])
+def test_resume_keywords_and_uris_are_accepted(resume):
+    HorovodRunnerOperator(task_id="t", training_callable=train, op_args=[0.1], resume=resume)
+
+
+def test_templated_resume_is_checked_after_templating():
+    op = HorovodRunnerOperator(task_id="t", training_callable=train, op_args=[0.1], resume="{{ params.resume }}")
+    op.render_template_fields({"params": {"resume": "sometimes"}})
+    with pytest.raises(ValueError, match="got 'sometimes'"):
+        op.execute({"ti": RecordingTaskInstance()})
 
 
 @pytest.mark.parametrize(("np", "value"), [(2, 2), ("2", 2), (" 4 ", 4), (-2, -2), ("-1", -1)])

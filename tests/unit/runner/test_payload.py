@@ -70,5 +70,17 @@ def test_function_from_a_non_installed_module_travels_by_value(tmp_path, monkeyp
 def test_installed_function_travels_by_reference():
     import json
 
-    fn, _, _ = cloudpickle.loads(build_payload(json.dumps))
+    fn, _, _ = cloudpickle.loads(build_payload(json.dumps, ({"a": 1},)))
     assert fn is json.dumps
+
+
+def test_arguments_that_do_not_fit_the_signature_fail_before_anything_runs():
+    def train(lr, *, epochs=1):
+        return lr, epochs
+
+    with pytest.raises(PayloadError, match=r"do not fit the training function .*train\(lr, \*, epochs=1\): "
+                                           r"too many positional arguments"):
+        build_payload(train, (0.1, 2))
+    with pytest.raises(PayloadError, match="unexpected keyword argument 'epoch'"):
+        build_payload(train, (0.1,), {"epoch": 2})
+    assert load_payload(build_payload(train, (0.1,), {"epochs": 2}))[2] == {"epochs": 2}

@@ -62,3 +62,9 @@ class ArtifactError(RuntimeError):
         if result is not None:
             message += " Rank 0's result was: %r" % (result,)
         super().__init__(message)
+
+
+class DatasetError(ValueError):
+    """The ``dataset=`` of a run cannot be trained on (no such table, a query that does not parse,
+    too few rows, a column type no adapter takes), or ``runtime.dataset()`` was called in a run
+    without one. Raised before any rank starts; the message names the fix."""

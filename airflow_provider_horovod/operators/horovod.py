@@ -13,6 +13,7 @@ from airflow.sdk import Asset, BaseOperator
 
 from airflow_provider_horovod.hooks.horovod import CHECKPOINTS, HorovodRunnerHook
 from airflow_provider_horovod.runner.artifacts import TIMELINE, Limits
+from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, check_options
 from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
 
@@ -71,6 +72,11 @@ class HorovodRunnerOperator(BaseOperator):
     :param max_artifact_bytes: the most rank 0's artifacts may hold (1 TiB by default); more fails
         the try with ``ArtifactError`` rather than fill the Airflow worker's disk.
     :param max_artifact_files: the most files rank 0's artifacts may hold (100 000 by default).
+    :param dataset: training data every rank reads its shard of with ``runtime.dataset()``: a table
+        name (``db.events``, ``parquet.`/data/events```), a Spark SQL query (``SELECT * FROM
+        parquet.`/data/events` WHERE day <= '{{ ds }}'``), or a callable ``spark -> DataFrame``
+        run in this task. It reaches the ranks through the barrier stage (needs ``np > 0``);
+        a bad table, query or column fails with ``DatasetError`` before any rank starts. (templated)
     """
 
     template_fields: Sequence[str] = (
@@ -82,6 +88,7 @@ class HorovodRunnerOperator(BaseOperator):
         "env",
         "artifact_root",
         "resume",
+        "dataset",
     )
     template_fields_renderers = {"op_args": "py", "op_kwargs": "py", "spark_conf": "json", "env": "json"}
     operator_extra_links = (SparkUILink(), HorovodTimelineLink())
@@ -105,12 +112,16 @@ class HorovodRunnerOperator(BaseOperator):
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         max_artifact_bytes: int = Limits.max_bytes,
         max_artifact_files: int = Limits.max_files,
+        dataset: str | Callable[[Any], Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         # not templated: checked when the DAG is parsed, as the engine would check them
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
                       max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files)
+        check_dataset(dataset)
+        if dataset is not None and isinstance(np, int) and np < 0:
+            raise ValueError("dataset= needs np > 0: it reaches the ranks through the barrier stage; got np=%d" % np)
         self.training_callable = training_callable
         self.np = np
         self.op_args = op_args or []
@@ -126,6 +137,7 @@ class HorovodRunnerOperator(BaseOperator):
         self.start_timeout = start_timeout
         self.max_artifact_bytes = max_artifact_bytes
         self.max_artifact_files = max_artifact_files
+        self.dataset = dataset
 
     @cached_property
     def hook(self) -> HorovodRunnerHook:
@@ -193,7 +205,7 @@ class HorovodRunnerOperator(BaseOperator):
                 launcher=self.launcher, driver_log_verbosity=self.driver_log_verbosity, env=dict(self.env),
                 timeline=self.timeline, artifact_dir=local_dir, resume_from=resume_from,
                 start_timeout=self.start_timeout, max_artifact_bytes=self.max_artifact_bytes,
-                max_artifact_files=self.max_artifact_files,
+                max_artifact_files=self.max_artifact_files, dataset=self.dataset,
             )
             return result, last_run, None
         except (HorovodRunError, ArtifactError) as err:  # store what the failed try left, then re-raise

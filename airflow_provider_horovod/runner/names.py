@@ -60,6 +60,7 @@ SCRATCH_DIR = "scratch-rank-%d"  # every other rank's: thrown away
 RESUME_DIR = "resume"  # the host's copy of resume_from (in its first task's folder)
 CHECKPOINTS_DIR = "checkpoints"
 TIMELINE_FILE = "timeline.json"
+DATASET_FILE = "dataset.arrow"  # the task's partition of dataset=, for the rank of this task
 
 
 # Temporary folders are named after the process that owns them, so a later task can remove those
@@ -107,6 +108,7 @@ class TaskDir:
     artifacts = property(lambda self: self.path / ARTIFACTS_DIR)
     resume = property(lambda self: self.path / RESUME_DIR)
     exec_key = property(lambda self: self.path / EXEC_KEY)
+    dataset = property(lambda self: self.path / DATASET_FILE)
 
     def rank_key(self, rank: int) -> Path:
         return self.path / (RANK_KEY % rank)

@@ -75,7 +75,7 @@ class HorovodRunnerOperator(BaseOperator):
     :param dataset: training data every rank reads its shard of with ``runtime.dataset()``: a table
         name (``db.events``, ``parquet.`/data/events```), a Spark SQL query (``SELECT * FROM
         parquet.`/data/events` WHERE day <= '{{ ds }}'``), or a callable ``spark -> DataFrame``
-        run in this task. It reaches the ranks through the barrier stage (needs ``np > 0``);
+        run in this task (not templated). It reaches the ranks through the barrier stage (needs ``np > 0``);
         a bad table, query or column fails with ``DatasetError`` before any rank starts. (templated)
     """
 
@@ -137,7 +137,9 @@ class HorovodRunnerOperator(BaseOperator):
         self.start_timeout = start_timeout
         self.max_artifact_bytes = max_artifact_bytes
         self.max_artifact_files = max_artifact_files
-        self.dataset = dataset
+        # Airflow calls a callable in a templated field with the context: a DataFrame callable stays out
+        self.dataset = None if callable(dataset) else dataset
+        self.dataset_callable = dataset if callable(dataset) else None
 
     @cached_property
     def hook(self) -> HorovodRunnerHook:
@@ -205,7 +207,7 @@ class HorovodRunnerOperator(BaseOperator):
                 launcher=self.launcher, driver_log_verbosity=self.driver_log_verbosity, env=dict(self.env),
                 timeline=self.timeline, artifact_dir=local_dir, resume_from=resume_from,
                 start_timeout=self.start_timeout, max_artifact_bytes=self.max_artifact_bytes,
-                max_artifact_files=self.max_artifact_files, dataset=self.dataset,
+                max_artifact_files=self.max_artifact_files, dataset=self.dataset_callable or self.dataset,
             )
             return result, last_run, None
         except (HorovodRunError, ArtifactError) as err:  # store what the failed try left, then re-raise

@@ -71,3 +71,31 @@ def linear_regression_job(epochs: int = 4, batch_size: int = 16, lr: float = 0.0
         losses.append(hvd.allreduce(total / shard.steps(batch_size), name="epoch_loss").item())
     weights = model.weight.detach().flatten().tolist()
     return {"weights": hvd.allgather_object(weights), "losses": losses}
+
+
+def keras_fit_job(epochs: int = 2, batch_size: int = 16):
+    """Fits a tf-keras classifier with Horovod's DistributedOptimizer on ``to_tf``; returns every
+    rank's final weights, its steps per epoch and the averaged accuracy per epoch."""
+    import horovod.tensorflow as hvd_tf
+    import horovod.tensorflow.keras as hvd
+    import tensorflow as tf
+
+    from airflow_provider_horovod import runtime
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    hvd.init()
+    tf.keras.utils.set_random_seed(100 + hvd.rank())  # different on purpose: the broadcast makes them equal
+    shard = runtime.dataset()
+    data = shard.to_tf(batch_size, features="x", label="label", shuffle=True)
+    model = tf.keras.Sequential([tf.keras.Input(shape=(4,)), tf.keras.layers.Dense(8, activation="relu"),
+                                 tf.keras.layers.Dense(2)])
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1 * hvd.size(), momentum=0.9)),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    history = model.fit(data, epochs=epochs, verbose=0, callbacks=[
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()])
+    return hvd_tf.allgather_object({
+        "weights": [w.tolist() for w in model.get_weights()],
+        "steps": int(data.cardinality().numpy()),
+        "accuracy": history.history["accuracy"],
+    })

@@ -8,6 +8,7 @@ import pytest
 
 from airflow_provider_horovod import DatasetError, HorovodRunError, HorovodRunner
 from tests.integration import dataset_jobs
+from tests.integration.test_tensorflow import _horovod_has_tensorflow
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
 
@@ -74,3 +75,17 @@ def test_to_torch_feeds_distributed_optimizer_training_that_fits_and_keeps_ranks
     assert result["weights"][0] == result["weights"][1]  # averaged gradients: identical weights
     assert result["losses"][-1] < result["losses"][0] / 4
     assert result["weights"][0] == pytest.approx([1.0, -2.0, 0.5, 3.0], abs=0.5)
+
+
+@pytest.mark.skipif(not _horovod_has_tensorflow(), reason="needs the tensorflow extra: scripts/setup --with tensorflow")
+def test_to_tf_feeds_a_keras_fit_that_learns_and_keeps_ranks_in_sync(spark):
+    from pyspark.sql import functions as F
+
+    x = [F.sin(F.col("id") * (i + 1)).cast("float") for i in range(4)]
+    label = (x[0] + x[1] > 0).cast("long")
+    dataset = spark.range(301, numPartitions=2).select(F.array(*x).alias("x"), label.alias("label"))
+    ranks = HorovodRunner(2, launcher="gloo", spark=spark, dataset=dataset).run(dataset_jobs.keras_fit_job, epochs=3)
+    assert [r["steps"] for r in ranks] == [10, 10]  # ceil(151 / 16) on both ranks
+    for mine, other in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
+        assert mine == other  # broadcast + averaged gradients
+    assert ranks[0]["accuracy"][-1] > 0.8

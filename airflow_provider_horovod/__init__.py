@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from airflow_provider_horovod.exceptions import (
     ArtifactError,
+    DatasetError,
     HorovodRunError,
     InsufficientSlotsError,
     Keras3NotSupportedError,
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactError",
+    "DatasetError",
     "HorovodRunError",
     "HorovodRunner",
     "InsufficientSlotsError",

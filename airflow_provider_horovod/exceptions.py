@@ -94,3 +94,7 @@ def _raised_in_a_rank(cls: type[Exception]) -> type[HorovodRunError]:
         "__module__": __name__, "__init__": HorovodRunError.__init__,
         "__doc__": "%s raised in a rank; also a HorovodRunError naming the rank." % cls.__name__,
     })
+class DatasetError(ValueError):
+    """The ``dataset=`` of a run cannot be trained on (no such table, a query that does not parse,
+    too few rows, a column type no adapter takes), or ``runtime.dataset()`` was called in a run
+    without one. Raised before any rank starts; the message names the fix."""

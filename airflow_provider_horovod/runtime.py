@@ -106,6 +106,25 @@ def commit_checkpoint(step: int | None = None, **metrics: object) -> None:
     if base is None or rank() != 0:
         return
     request_commit(names.TaskDir(base), checkpoint_dir(), step, dict(metrics))
+def dataset(remainder: str = "wrap"):
+    """This rank's shard of the run's ``dataset=`` (a ``runner.shard.Shard``): ``num_rows``,
+    ``schema``, ``iter_batches()``, ``steps()``, ``to_torch()``, ``to_tf()``.
+
+    Every rank gets the same ``steps()``: ``remainder="wrap"`` reads ``ceil(rows / np)`` rows per
+    epoch (a shorter shard wraps around), ``"drop"`` reads ``floor(rows / np)``.
+    """
+    from airflow_provider_horovod.exceptions import DatasetError
+    from airflow_provider_horovod.runner.shard import Shard
+
+    base = os.environ.get(names.ENV_TASK_DIR)
+    if base is None:
+        raise DatasetError("runtime.dataset() works inside a rank of a run given dataset= (HorovodRunner(np, "
+                           "dataset=...), or the operator's dataset=); this process is not a rank.")
+    path = names.TaskDir(base).dataset
+    if not path.exists():
+        raise DatasetError("runtime.dataset() found no dataset: this run was started without dataset=. Pass a table "
+                           "name, a Spark SQL query or a DataFrame as dataset= to HorovodRunner or the operator.")
+    return Shard(path, remainder)
 
 
 def resume_dir() -> Path | None:

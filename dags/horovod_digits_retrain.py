@@ -4,7 +4,9 @@ Scheduled on the ``horovod_digits_model`` Asset. ``latest_checkpoint`` reads the
 from the asset event's extra (the event that triggered this run; when run by hand, the newest
 event of the Asset). ``HorovodRunnerOperator`` downloads that checkpoint to every rank
 (``resume=<uri>``): the training function finds it in ``runtime.resume_dir()`` and continues from
-there with a smaller learning rate. ``evaluate`` checks the fine-tuned model still scores at least
+there with a smaller learning rate, on every row of the digits table (written by
+``horovod_digits_train``'s ``write_digits``) up to this run's date: ``dataset=`` is a templated
+Spark SQL query, each rank reads its shard with ``runtime.dataset()``. ``evaluate`` checks the fine-tuned model still scores at least
 90 % on the held-out split.
 
 This file is self-contained on purpose (it repeats the small model and data helpers): the
@@ -24,6 +26,12 @@ from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
 DIGITS_MODEL = Asset("horovod_digits_model")
 CHECKPOINT_FILE = "model.pt"
 MIN_ACCURACY = 0.90
+DIGITS_TABLE = os.environ.get("HOROVOD_DIGITS_TABLE") or os.path.join(
+    os.environ.get("AIRFLOW_HOME", os.path.expanduser("~/airflow")), "horovod-data", "digits")
+# Asset-triggered runs have no logical date: the day the run was made for is then its run_after.
+ROWS_UP_TO_THIS_RUN = ("SELECT pixels, label FROM parquet.`%s` "
+                       "WHERE day <= '{{ (dag_run.logical_date or dag_run.run_after).strftime(\"%%Y-%%m-%%d\") }}'"
+                       % DIGITS_TABLE)
 
 
 def load_digits_split():
@@ -54,10 +62,7 @@ def fine_tune_digits(epochs: int = 2, batch_size: int = 32, base_lr: float = 0.0
         raise FileNotFoundError("No %s to fine-tune from in resume_dir %s" % (CHECKPOINT_FILE, resume))
     state = torch.load(resume / CHECKPOINT_FILE, weights_only=True)
 
-    x_train, _, y_train, _ = load_digits_split()
-    x = torch.tensor(x_train[hvd.rank() :: hvd.size()], dtype=torch.float32)
-    y = torch.tensor(y_train[hvd.rank() :: hvd.size()], dtype=torch.long)
-
+    shard = runtime.dataset()
     model = build_model()
     model.load_state_dict(state["model"])
     optimizer = torch.optim.SGD(model.parameters(), lr=base_lr * hvd.size(), momentum=0.9)
@@ -69,11 +74,9 @@ def fine_tune_digits(epochs: int = 2, batch_size: int = 32, base_lr: float = 0.0
     loss = torch.tensor(0.0)
     first_epoch = state["epoch"]
     for epoch in range(first_epoch + 1, first_epoch + epochs + 1):
-        order = torch.randperm(len(x))
-        for start in range(0, len(x), batch_size):
-            batch = order[start : start + batch_size]
+        for batch in shard.to_torch(batch_size, shuffle=True, seed=epoch):
             optimizer.zero_grad()
-            loss = loss_fn(model(x[batch]), y[batch])
+            loss = loss_fn(model(batch["pixels"]), batch["label"])
             loss.backward()
             optimizer.step()
         loss = hvd.allreduce(loss.detach(), name="epoch_loss")
@@ -108,6 +111,7 @@ def horovod_digits_retrain():
         np=2,
         op_kwargs={"epochs": 2},
         resume=checkpoint_uri,
+        dataset=ROWS_UP_TO_THIS_RUN,
     )
 
     @task

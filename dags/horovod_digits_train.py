@@ -1,9 +1,14 @@
 """Train a PyTorch MLP on scikit-learn's digits with Horovod on Spark, evaluate it, publish it.
 
-The training function is the classic Horovod recipe, unchanged from a notebook:
+The data is a Parquet table: ``write_digits`` stores the day's rows (the digits' training split)
+under ``<DIGITS_TABLE>/day=<ds>/``, and ``train`` trains on them with ``dataset=``: a templated
+Spark SQL query over the folder (no catalog needed). The rows reach the ranks through the barrier
+stage itself, each rank reading its own shard with ``runtime.dataset()``.
+
+The training function is the classic Horovod recipe:
 
 1. ``hvd.init()``;
-2. shard the data by rank;
+2. read this rank's shard (``runtime.dataset().to_torch(...)``);
 3. scale the learning rate by ``hvd.size()``;
 4. wrap the optimizer in ``hvd.DistributedOptimizer``;
 5. broadcast the initial state from rank 0;
@@ -37,6 +42,10 @@ from airflow.sdk import Asset, dag, task
 DIGITS_MODEL = Asset("horovod_digits_model")
 CHECKPOINT_FILE = "model.pt"
 MIN_ACCURACY = 0.90
+# The Parquet table of training rows, one folder per day (``day=YYYY-MM-DD``).
+DIGITS_TABLE = os.environ.get("HOROVOD_DIGITS_TABLE") or os.path.join(
+    os.environ.get("AIRFLOW_HOME", os.path.expanduser("~/airflow")), "horovod-data", "digits")
+DAYS_ROWS = "SELECT pixels, label FROM parquet.`%s` WHERE day = '{{ ds }}'" % DIGITS_TABLE
 
 
 def load_digits_split():
@@ -46,6 +55,24 @@ def load_digits_split():
 
     features, labels = load_digits(return_X_y=True)
     return train_test_split(features / 16.0, labels, test_size=0.25, random_state=0, stratify=labels)
+
+
+def write_digits_day(table: str, day: str) -> str:
+    """Store the day's training rows as ``<table>/day=<day>/digits.parquet`` (replacing a rerun's)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    x_train, _, y_train, _ = load_digits_split()
+    rows = pa.table({
+        "pixels": pa.array(x_train.astype("float32").tolist(), pa.list_(pa.float32())),
+        "label": pa.array(y_train, pa.int64()),
+    })
+    folder = os.path.join(table, "day=%s" % day)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, ".digits.parquet.tmp")
+    pq.write_table(rows, tmp)
+    os.replace(tmp, os.path.join(folder, "digits.parquet"))
+    return folder
 
 
 def build_model():
@@ -65,10 +92,7 @@ def train_digits(epochs: int = 8, batch_size: int = 32, base_lr: float = 0.05) -
     hvd.init()
     torch.manual_seed(0)
 
-    x_train, _, y_train, _ = load_digits_split()
-    x = torch.tensor(x_train[hvd.rank() :: hvd.size()], dtype=torch.float32)  # this rank's shard
-    y = torch.tensor(y_train[hvd.rank() :: hvd.size()], dtype=torch.long)
-
+    shard = runtime.dataset()  # this rank's rows of dataset=, on this host
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=base_lr * hvd.size(), momentum=0.9)
     first_epoch = 0
@@ -87,11 +111,9 @@ def train_digits(epochs: int = 8, batch_size: int = 32, base_lr: float = 0.05) -
     loss_fn = torch.nn.CrossEntropyLoss()
     loss = torch.tensor(0.0)
     for epoch in range(first_epoch + 1, first_epoch + epochs + 1):
-        order = torch.randperm(len(x))
-        for start in range(0, len(x), batch_size):
-            batch = order[start : start + batch_size]
+        for batch in shard.to_torch(batch_size, shuffle=True, seed=epoch):  # the same steps on every rank
             optimizer.zero_grad()
-            loss = loss_fn(model(x[batch]), y[batch])
+            loss = loss_fn(model(batch["pixels"]), batch["label"])
             loss.backward()
             optimizer.step()
         loss = hvd.allreduce(loss.detach(), name="epoch_loss")  # the mean over ranks
@@ -136,7 +158,11 @@ def held_out_accuracy(checkpoint_uri: str) -> float:
     default_args={"retries": 1},
 )
 def horovod_digits_train():
-    @task.horovod(np=2, launcher="mpirun", timeline=True, outlets=[DIGITS_MODEL])
+    @task
+    def write_digits(ds=None) -> str:
+        return write_digits_day(DIGITS_TABLE, ds)
+
+    @task.horovod(np=2, launcher="mpirun", timeline=True, outlets=[DIGITS_MODEL], dataset=DAYS_ROWS)
     def train(epochs: int):
         return train_digits(epochs=epochs)
 
@@ -149,6 +175,7 @@ def horovod_digits_train():
         return {"accuracy": accuracy, "checkpoint_uri": checkpoint_uri}
 
     trained = train(epochs=8)
+    write_digits() >> trained
     evaluate(trained, trained["horovod_checkpoint_uri"])
 
 

@@ -16,9 +16,10 @@ from airflow.sdk.definitions._internal.mixins import ResolveMixin
 from airflow_provider_horovod import store
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.runner.artifacts import Limits
-from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
+from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, check_options
 from airflow_provider_horovod.runner.payload import check_arguments
+from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
 from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
 
 if TYPE_CHECKING:
@@ -79,6 +80,11 @@ class HorovodRunnerOperator(BaseOperator):
     :param max_artifact_files: the most files rank 0's artifacts may hold (100 000 by default).
     :param keep_checkpoints: how many committed checkpoint versions each try keeps (2 by default);
         older ones are pruned only after a newer one is committed.
+    :param dataset: training data every rank reads its shard of with ``runtime.dataset()``: a table
+        name (``db.events``, ``parquet.`/data/events```), a Spark SQL query (``SELECT * FROM
+        parquet.`/data/events` WHERE day <= '{{ ds }}'``), or a callable ``spark -> DataFrame``
+        run in this task (not templated). It reaches the ranks through the barrier stage (needs ``np > 0``);
+        a bad table, query or column fails with ``DatasetError`` before any rank starts. (templated)
     """
 
     template_fields: Sequence[str] = (
@@ -90,6 +96,7 @@ class HorovodRunnerOperator(BaseOperator):
         "env",
         "artifact_root",
         "resume",
+        "dataset",
     )
     template_fields_renderers = {"op_args": "py", "op_kwargs": "py", "spark_conf": "json", "env": "json"}
     operator_extra_links = (SparkUILink(), HorovodTimelineLink())
@@ -114,6 +121,7 @@ class HorovodRunnerOperator(BaseOperator):
         max_artifact_bytes: int = Limits.max_bytes,
         max_artifact_files: int = Limits.max_files,
         keep_checkpoints: int = DEFAULT_KEEP,
+        dataset: str | Callable[[Any], Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -121,6 +129,9 @@ class HorovodRunnerOperator(BaseOperator):
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
                       max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline)
         check_when_parsed(training_callable, np=np, op_args=op_args, op_kwargs=op_kwargs, resume=resume)
+        check_dataset(dataset)
+        if dataset is not None and isinstance(np, int) and np < 0:
+            raise ValueError("dataset= needs np > 0: it reaches the ranks through the barrier stage; got np=%d" % np)
         self.training_callable = training_callable
         self.np = np
         self.op_args = op_args or []
@@ -137,6 +148,9 @@ class HorovodRunnerOperator(BaseOperator):
         self.max_artifact_bytes = max_artifact_bytes
         self.max_artifact_files = max_artifact_files
         self.keep_checkpoints = check_keep(keep_checkpoints)
+        # Airflow calls a callable in a templated field with the context: a DataFrame callable stays out
+        self.dataset = None if callable(dataset) else dataset
+        self.dataset_callable = dataset if callable(dataset) else None
 
     @cached_property
     def hook(self) -> HorovodRunnerHook:
@@ -238,7 +252,7 @@ class HorovodRunnerOperator(BaseOperator):
                 timeline=self.timeline, artifact_dir=local_dir, resume_from=resume_from,
                 start_timeout=self.start_timeout, max_artifact_bytes=self.max_artifact_bytes,
                 max_artifact_files=self.max_artifact_files, keep_checkpoints=self.keep_checkpoints,
-                on_checkpoint=on_checkpoint,
+                on_checkpoint=on_checkpoint, dataset=self.dataset_callable or self.dataset,
             )
             return result, last_run, None
         except (HorovodRunError, ArtifactError) as err:  # store what the failed try left, then re-raise

@@ -15,10 +15,12 @@ import platform
 import shutil
 import socket
 import traceback
+from collections.abc import Iterable
 from typing import Any
 
 from airflow_provider_horovod.runner import names, procs, wire
 from airflow_provider_horovod.runner.channel import ChannelClient
+from airflow_provider_horovod.runner.dataset import spill
 from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.host import (
     RunSpec,
@@ -202,9 +204,13 @@ def task_facts(ctx, spec: RunSpec, partition: int, executor: str, address: str, 
     )
 
 
-def prepare(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: TaskServices) -> None:
-    """Before any rank starts: the plan on disk, resume_from on this host, the rendezvous told the plan."""
+def prepare(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: TaskServices,
+            batches: Iterable[Any] = ()) -> None:
+    """Before any rank starts: the plan on disk, this task's partition of the dataset spilled for its
+    rank, resume_from on this host, the rendezvous told the plan."""
     task.plan.write_text(plan.to_json())
+    if spec.dataset is not None:
+        spill(batches, task.dataset, spec.dataset, partition)
     slot = plan.for_partition(partition)
     hand_over_rank_keys(spec, [s for s in plan.slots if s.partition == partition])
     if services.exec_service is not None:
@@ -258,8 +264,9 @@ def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[s
             task.exec_key.unlink()
 
 
-def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
-    """The whole life of one barrier task. Returns the rows it contributes to the stage's result."""
+def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, Any]]:
+    """The whole life of one barrier task. Returns the rows it contributes to the stage's result.
+    ``batches``: the task's input partition (the dataset's, spilled in ``prepare``)."""
     partition = ctx.partitionId()
     executor = ctx.getTaskInfos()[partition].address
     address = _reachable_address(executor)
@@ -280,7 +287,7 @@ def run_task(ctx, spec: RunSpec) -> list[dict[str, Any]]:
         failure: Failure | None = None
         try:
             plan = coordinator.plan(task_facts(ctx, spec, partition, executor, address, task, services), spec)
-            prepare(spec, plan, partition, task, services)
+            prepare(spec, plan, partition, task, services, batches)
             coordinator.ready(plan, spec)
             with ship_checkpoints(spec, task, rank0=partition == 0):
                 failure = launch(spec, plan, partition, task, env, services, client)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.runner import names, procs, wire
+from airflow_provider_horovod.runner.dataset import DatasetSpec
 from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.keras_guard import LEGACY_KERAS_ENV
 from airflow_provider_horovod.runner.names import TaskDir
@@ -46,6 +47,7 @@ class RunSpec:
     collect_artifacts: bool = False
     has_resume: bool = False
     resume_local: str | None = None  # np < 0: the folder itself, on the driver
+    dataset: DatasetSpec | None = None  # dataset=: each task spills its partition for its rank
 
 
 def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:

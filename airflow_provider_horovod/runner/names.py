@@ -77,6 +77,7 @@ CHECKPOINTS_DIR = "checkpoints"
 OUTBOX_DIR = "outbox"  # rank 0's task: the checkpoint version on its way to the driver (shipper.py)
 COMMITS_DIR = "commits"  # rank 0's task: runtime.commit_checkpoint's snapshot, until shipped
 TIMELINE_FILE = "timeline.json"
+DATASET_FILE = "dataset.arrow"  # the task's partition of dataset=, for the rank of this task
 
 
 # Temporary folders are named after the process that owns them, so a later task can remove those
@@ -124,6 +125,7 @@ class TaskDir:
     artifacts = property(lambda self: self.path / ARTIFACTS_DIR)
     resume = property(lambda self: self.path / RESUME_DIR)
     exec_key = property(lambda self: self.path / EXEC_KEY)
+    dataset = property(lambda self: self.path / DATASET_FILE)
 
     def rank_key(self, rank: int) -> Path:
         return self.path / (RANK_KEY % rank)

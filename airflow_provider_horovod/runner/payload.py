@@ -102,8 +102,26 @@ def check_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     except TypeError as err:
         raise PayloadError(
             "The arguments do not fit the training function %s%s: %s. Fix op_args/op_kwargs (or the "
-            "arguments given to run())." % (getattr(fn, "__qualname__", repr(fn)), signature, err)
+            "arguments given to run())." % (getattr(fn, "__qualname__", repr(fn)), _as_written(signature), err)
         ) from None
+
+
+def _as_written(signature: inspect.Signature) -> str:
+    """``signature`` as its source reads, also under ``from __future__ import annotations`` (whose
+    annotations are strings, which ``str(signature)`` would quote)."""
+    def plain(annotation: Any) -> Any:
+        return _Written(annotation) if isinstance(annotation, str) else annotation
+
+    return str(signature.replace(
+        parameters=[p.replace(annotation=plain(p.annotation)) for p in signature.parameters.values()],
+        return_annotation=plain(signature.return_annotation)))
+
+
+class _Written(str):
+    """An annotation given as a string, shown without quotes."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def build_payload(main: Callable[..., Any] | str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> bytes:

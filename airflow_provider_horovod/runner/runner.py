@@ -31,6 +31,8 @@ from airflow_provider_horovod.runner import names, procs, wire
 from airflow_provider_horovod.runner.artifacts import Limits, check_writable, commit
 from airflow_provider_horovod.runner.barrier import TaskFailure, check_facts, parse_failure, run_local, run_task
 from airflow_provider_horovod.runner.channel import Channel, RankOutput
+from airflow_provider_horovod.runner.dataset import DatasetSpec, check_dataset, prepare_dataset
+from airflow_provider_horovod.runner.dataset import describe as describe_dataset
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport
 from airflow_provider_horovod.runner.host import RunSpec
 from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, check_options
@@ -61,9 +63,9 @@ def _task_fn(spec: RunSpec) -> Callable:
         import pyarrow as pa
         from pyspark import BarrierTaskContext
 
-        for _ in batches:
+        rows = run_task(BarrierTaskContext.get(), spec, batches)
+        for _ in batches:  # what the task did not read (no dataset=, or it stopped before the spill)
             pass
-        rows = run_task(BarrierTaskContext.get(), spec)
         schema = pa.schema([("partition", pa.int32()), ("kind", pa.string()), ("seq", pa.int32()), ("data", pa.binary())])
         yield pa.RecordBatch.from_pylist(rows, schema=schema)
 
@@ -109,6 +111,11 @@ class HorovodRunner:
         lists every one committed).
     :param on_checkpoint: called with each committed ``Version`` and its folder, from a thread of
         the driver, before older versions are pruned (the operator stores it there).
+    :param dataset: training data for the ranks (``np > 0``): a ``pyspark.sql.DataFrame`` (classic
+        or Spark Connect), a table name, a Spark SQL query, or a callable ``spark -> DataFrame``.
+        It becomes the barrier stage's input in ``np`` partitions whose sizes differ by at most one
+        row; each task spills its partition to a local Arrow file, which its rank reads with
+        ``runtime.dataset()``. Checked on the driver before any rank starts (``DatasetError``).
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class HorovodRunner:
         max_artifact_files: int = Limits.max_files,
         keep_checkpoints: int = DEFAULT_KEEP,
         on_checkpoint: Callable[[Version, Path], None] | None = None,
+        dataset: Any = None,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise ValueError("np must be a non-zero int (np > 0: barrier tasks, np < 0: local processes); got %r" % (np,))
@@ -138,6 +146,10 @@ class HorovodRunner:
         bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
             raise ValueError("env must map str to str; fix %s" % ", ".join(map(repr, bad)))
+        check_dataset(dataset)
+        if dataset is not None and np < 0:
+            raise ValueError("dataset= needs np > 0: the dataset reaches the ranks through the barrier stage, and "
+                             "np < 0 runs no Spark job. Use np > 0 (local[N] Spark runs on this machine too).")
         if resume_from is not None and not Path(resume_from).is_dir():
             raise ValueError("resume_from must be an existing folder; %s is not" % (resume_from,))
         self.artifact_limits = Limits(max_bytes=max_artifact_bytes, max_files=max_artifact_files)
@@ -152,6 +164,7 @@ class HorovodRunner:
         self.timeline = bool(timeline)
         self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else None
         self.resume_from = Path(resume_from).resolve() if resume_from is not None else None
+        self.dataset = dataset
         self._spark = spark
         self._cancelled = threading.Event()
         self._interrupt: BaseException | None = None  # an exception raised into run() while supervising
@@ -267,17 +280,18 @@ class HorovodRunner:
     def _run_spark(self, spec: RunSpec, channel: Channel, events: queue.Queue) -> Supervisor:
         spark = self.session()
         self._check_conf(spark)
+        source, dataset = self._input(spark)
         self._wait_for_slots(spark)
         address = channel.start(self._driver_host(spark))
         if address is None and self.resume_from is not None:
             raise HorovodRunError("resume_from needs the executors to reach the driver, and this driver cannot listen "
                                   "for them. Put the checkpoint where the training function can read it instead.")
-        spec = dataclasses.replace(spec, channel=address)
+        spec = dataclasses.replace(spec, channel=address, dataset=dataset)
         tag = "hvdrunner-%s" % spec.run_id
         report = self.last_run
         report.spark_ui_url, report.job_tag = self._ui_url(spark), tag
         report.coordination = "channel" if address is not None else "spark"
-        df = spark.range(self.np, numPartitions=self.np).mapInArrow(_task_fn(spec), RESULT_SCHEMA, barrier=True)
+        df = source.mapInArrow(_task_fn(spec), RESULT_SCHEMA, barrier=True)
 
         def collect() -> list[Any]:
             spark.addTag(tag)
@@ -319,6 +333,15 @@ class HorovodRunner:
             with contextlib.suppress(Exception):
                 spark.interruptTag(tag)
         return sup
+
+    def _input(self, spark: Any) -> tuple[Any, DatasetSpec | None]:
+        """The barrier stage's input: ``np`` rows, or the dataset in ``np`` balanced partitions."""
+        if self.dataset is None:
+            return spark.range(self.np, numPartitions=self.np), None
+        source, spec = prepare_dataset(spark, self.dataset, self.np)
+        log.info("Dataset %s: %d rows in %d shards of %d to %d rows", describe_dataset(self.dataset), spec.total_rows,
+                 spec.shards, spec.shard_rows(spec.shards - 1), spec.shard_rows(0))
+        return source, spec
 
     def _supervise(self, sup: Supervisor, events: queue.Queue, act: Callable[[Action], None]) -> None:
         """Feed the supervisor every event and the passing time; carry out what it decides.

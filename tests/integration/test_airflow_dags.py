@@ -110,7 +110,11 @@ def explain(proc: subprocess.CompletedProcess) -> str:
 def test_digits_example_trains_evaluates_and_publishes_the_model(airflow):
     proc = airflow.dags_test("horovod_digits_train")
     assert proc.returncode == 0, explain(proc)
-    assert airflow.task_states("horovod_digits_train") == {"train": ("success", 1), "evaluate": ("success", 1)}
+    assert airflow.task_states("horovod_digits_train") == {
+        "write_digits": ("success", 1), "train": ("success", 1), "evaluate": ("success", 1)}
+    day = airflow.xcom("horovod_digits_train", "write_digits")  # the day's Parquet folder of the digits table
+    assert Path(day, "digits.parquet").stat().st_size > 0 and Path(day).parent == airflow.home / "horovod-data" / "digits"
+    assert "rows in 2 shards of 673 to 674 rows" in proc.stdout + proc.stderr  # 1347 training rows via dataset=
 
     summary = airflow.xcom("horovod_digits_train", "train")  # @task.horovod: the function's own value
     assert summary["epochs"] == 8 and summary["ranks"] == 2 and set(summary) == {"epochs", "loss", "ranks"}
@@ -159,6 +163,10 @@ def test_retrain_example_fine_tunes_from_the_published_checkpoint(airflow):
     assert tuned["checkpoint_uri"] != published["checkpoint_uri"]
     assert airflow.xcom("horovod_digits_retrain", "evaluate")["accuracy"] >= 0.90
     assert "Resuming from checkpoint %s" % published["checkpoint_uri"] in proc.stdout + proc.stderr
+    (run_date,) = airflow.query("SELECT COALESCE(logical_date, run_after) FROM dag_run WHERE run_id = ?",
+                                airflow.last_run_id("horovod_digits_retrain"))[0]
+    assert "WHERE day <= '%s'" % str(run_date)[:10] in proc.stdout + proc.stderr  # the templated query, rendered
+    assert ": 1347 rows in 2 shards" in proc.stdout + proc.stderr  # every day up to this run's (one here)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="needs scripts/setup --with tensorflow")

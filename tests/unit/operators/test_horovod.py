@@ -7,7 +7,7 @@ import pytest
 from airflow.sdk import DAG, task
 
 from airflow_provider_horovod.decorators.horovod import horovod_task
-from airflow_provider_horovod.exceptions import PayloadError
+from airflow_provider_horovod.exceptions import DatasetError, PayloadError
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
 from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator, validate_np
@@ -159,3 +159,38 @@ def test_task_horovod_is_registered_and_builds_the_operator():
     assert op.training_callable.__name__ == "fit"
     assert (list(op.op_args), op.op_kwargs) == ([0.5], {"epochs": 3})
     assert "np" in op.template_fields and "op_kwargs" in op.template_fields
+
+
+def test_dataset_query_is_templated_and_reaches_task_horovod():
+    with DAG("d", schedule=None) as dag:
+
+        @task.horovod(np=2, dataset="SELECT * FROM parquet.`/data/events` WHERE day <= '{{ ds }}'")
+        def fit():
+            return 1
+
+        fit()
+
+    (op,) = dag.tasks
+    assert "dataset" in op.template_fields
+    op.render_template_fields({"ds": "2026-12-04"})
+    assert op.dataset == "SELECT * FROM parquet.`/data/events` WHERE day <= '2026-12-04'"
+
+
+def test_dataset_callable_is_kept_as_is_through_templating():
+    def events(spark):
+        return spark.table("events")
+
+    with DAG("d", schedule=None):
+        op = HorovodRunnerOperator(task_id="t", training_callable=train, op_args=[0.1], dataset=events)
+    op.render_template_fields({"ds": "2026-12-04"})  # Airflow would call a callable template field
+    assert op.dataset_callable is events and op.dataset is None
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"dataset": 3}, DatasetError, "dataset must be a table name, a Spark SQL query, a callable"),
+    ({"dataset": " "}, DatasetError, "dataset is an empty string"),
+    ({"dataset": "events", "np": -2}, ValueError, "dataset= needs np > 0"),
+])
+def test_bad_dataset_arguments_fail_when_the_dag_is_parsed(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        HorovodRunnerOperator(task_id="t", training_callable=train, op_args=[0.1], **kwargs)

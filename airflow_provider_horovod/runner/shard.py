@@ -1,0 +1,172 @@
+"""This rank's shard of ``dataset=``: the Arrow file its barrier task spilled on this host, read
+memory-mapped (``runtime.dataset()`` returns a ``Shard``).
+
+Every rank runs the same number of steps per epoch, so collectives never wait on a rank that ran
+out of data. Shards differ by at most one row; ``remainder`` says what evens them out:
+
+- ``"wrap"`` (the default, as PySpark's ``TorchDistributor``): every rank reads
+  ``ceil(total / np)`` rows per epoch; a rank one row short reads its first row again.
+- ``"drop"``: every rank reads ``floor(total / np)`` rows per epoch; a rank one row long skips its
+  last row (with ``shuffle=True`` a different row each epoch).
+
+``drop_last=True`` then drops the last, partial batch on every rank alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_horovod.runner.dataset import META_SHARDS, META_TOTAL_ROWS
+
+REMAINDERS = ("wrap", "drop")
+
+
+class Shard:
+    """The rows of ``dataset=`` this rank trains on.
+
+    :param path: the Arrow IPC file of this rank's barrier task.
+    :param remainder: ``"wrap"`` or ``"drop"``: how every rank gets the same rows per epoch.
+    """
+
+    def __init__(self, path: str | Path, remainder: str = "wrap") -> None:
+        import pyarrow as pa
+
+        if remainder not in REMAINDERS:
+            raise ValueError("remainder must be one of %s; got %r" % (", ".join(REMAINDERS), remainder))
+        self.remainder = remainder
+        self.path = Path(path)
+        self._map = pa.memory_map(str(self.path))
+        reader = pa.ipc.open_file(self._map)
+        metadata = reader.schema.metadata or {}
+        self.total_rows = int(metadata[META_TOTAL_ROWS])  # of the whole dataset, every shard
+        self.shards = int(metadata[META_SHARDS])
+        self._table = reader.read_all().replace_schema_metadata(None)  # zero-copy: buffers point into the map
+        self.schema = self._table.schema
+        self.num_rows = self._table.num_rows
+
+    @property
+    def rows_per_epoch(self) -> int:
+        """The rows every rank reads per epoch (the same on every rank)."""
+        if self.remainder == "wrap":
+            return math.ceil(self.total_rows / self.shards)
+        return self.total_rows // self.shards
+
+    def steps(self, batch_size: int, drop_last: bool = False) -> int:
+        """The batches per epoch, the same on every rank."""
+        _check_batch_size(batch_size)
+        if drop_last:
+            return self.rows_per_epoch // batch_size
+        return math.ceil(self.rows_per_epoch / batch_size)
+
+    def iter_batches(self, batch_size: int, columns: Sequence[str] | None = None, shuffle: bool = False,
+                     seed: int = 0, drop_last: bool = False) -> Iterator[Any]:
+        """``steps(batch_size, drop_last)`` ``pyarrow.RecordBatch``es of ``batch_size`` rows (the
+        last may be shorter unless ``drop_last``). In order they are slices of the mapped file;
+        ``shuffle=True`` permutes this shard's rows with ``seed`` (pass the epoch for a new order)."""
+        table = self._table.select(list(columns)) if columns is not None else self._table
+        order = _permutation(self.num_rows, seed) if shuffle else None
+        rows = self.rows_per_epoch
+        for step in range(self.steps(batch_size, drop_last)):
+            start = step * batch_size
+            yield _rows(table, order, start, min(start + batch_size, rows))
+
+    def to_torch(self, batch_size: int, columns: Sequence[str] | None = None, shuffle: bool = False, seed: int = 0,
+                 drop_last: bool = False) -> Iterator[dict[str, Any]]:
+        """The batches of ``iter_batches`` as dicts of ``torch.Tensor`` (column name -> tensor of
+        ``batch_size`` rows; an array column gives ``[batch_size, length]``)."""
+        import torch
+
+        for batch in self.iter_batches(batch_size, columns, shuffle, seed, drop_last):
+            yield {name: torch.from_numpy(_numpy(column)) for name, column in zip(batch.schema.names, batch.columns)}
+
+    def to_tf(self, batch_size: int, features: str | Sequence[str] | None = None, label: str | None = None,
+              shuffle: bool = False, seed: int = 0, drop_last: bool = False) -> Any:
+        """A ``tf.data.Dataset`` of the same batches (needs the ``tensorflow`` extra), with its
+        cardinality set to ``steps()``, for ``model.fit``.
+
+        :param features: one column name (its tensor is the input), a list of names (a dict of
+            tensors), or ``None`` (a dict of every column but ``label``).
+        :param label: a column name: the dataset yields ``(features, label)`` pairs.
+        :param shuffle: a new order on every pass (``seed``, ``seed + 1``, ... one per epoch).
+        """
+        import tensorflow as tf
+
+        names = _feature_names(self.schema.names, features, label)
+        columns = [*names, label] if label is not None else names
+        passes = iter(range(seed, seed + 2**31))
+
+        def pairs():
+            for batch in self.iter_batches(batch_size, columns, shuffle, next(passes), drop_last):
+                values = {name: _numpy(batch.column(name)) for name in columns}
+                x = values[features] if isinstance(features, str) else {name: values[name] for name in names}
+                yield (x, values[label]) if label is not None else x
+
+        specs = {name: _tensor_spec(tf, self.schema.field(name).type) for name in columns}
+        x_spec = specs[features] if isinstance(features, str) else {name: specs[name] for name in names}
+        signature = (x_spec, specs[label]) if label is not None else x_spec
+        dataset = tf.data.Dataset.from_generator(pairs, output_signature=signature)
+        return dataset.apply(tf.data.experimental.assert_cardinality(self.steps(batch_size, drop_last)))
+
+    def __repr__(self) -> str:
+        return "Shard(%d of %d rows in %d shards, %s, %s)" % (self.num_rows, self.total_rows, self.shards,
+                                                              self.remainder, self.path)
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError("batch_size must be a positive int; got %r" % (batch_size,))
+
+
+def _permutation(n: int, seed: int) -> Any:
+    import numpy
+
+    return numpy.random.default_rng(seed).permutation(n)
+
+
+def _rows(table: Any, order: Any, start: int, stop: int) -> Any:
+    """Rows ``start..stop`` of an epoch as one RecordBatch: a slice of the map when in order and
+    inside the shard, else gathered (a permutation, or the rows a wrap-around reads again)."""
+    import numpy
+
+    n = table.num_rows
+    if order is None and stop <= n:
+        part = table.slice(start, stop - start)
+    else:
+        index = numpy.arange(start, stop) % n
+        part = table.take(index if order is None else order[index])
+    return part.combine_chunks().to_batches()[0]
+
+
+def _numpy(column: Any) -> Any:
+    """A column as a writable numpy array; a fixed-size list column as ``[rows, length]``."""
+    import pyarrow as pa
+
+    if pa.types.is_fixed_size_list(column.type):
+        values = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), column.type.list_size)
+    else:
+        values = column.to_numpy(zero_copy_only=False)
+    return values if values.flags.writeable else values.copy()
+
+
+def _feature_names(all_names: list[str], features: str | Sequence[str] | None, label: str | None) -> list[str]:
+    if isinstance(features, str):
+        names = [features]
+    elif features is None:
+        names = [name for name in all_names if name != label]
+    else:
+        names = list(features)
+    unknown = [name for name in [*names, *([label] if label else [])] if name not in all_names]
+    if unknown:
+        raise ValueError("No column %s in the dataset; its columns are %s" % (", ".join(map(repr, unknown)), all_names))
+    return names
+
+
+def _tensor_spec(tf: Any, arrow_type: Any) -> Any:
+    import pyarrow as pa
+
+    if pa.types.is_fixed_size_list(arrow_type):
+        return tf.TensorSpec(shape=(None, arrow_type.list_size), dtype=tf.as_dtype(arrow_type.value_type.to_pandas_dtype()))
+    return tf.TensorSpec(shape=(None,), dtype=tf.as_dtype(arrow_type.to_pandas_dtype()))

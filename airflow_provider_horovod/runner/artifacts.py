@@ -149,6 +149,11 @@ def send_tree(conn, root: Path | None) -> int:
     return sent
 
 
+class RefusedError(OSError):
+    """The receiver took the offer and said no, with its reason (past a limit, its disk full): it
+    knows and records why, so the sender need not report it again."""
+
+
 class TransferError(ValueError):
     """The sending side broke the transfer protocol, or went past a limit."""
 
@@ -427,7 +432,7 @@ def offer_tree(conn, root: Path | None, proof_dir: Path | None) -> None:
     while "ok" not in (receipt := conn.recv()):
         pass
     if not receipt["ok"]:
-        raise OSError(receipt.get("error") or "the receiver could not store the files")
+        raise RefusedError(receipt.get("error") or "the receiver could not store the files")
 
 
 def take_tree(conn, dest: Path, *, allow_copy: bool = True, cancelled: Callable[[], bool] = lambda: False,

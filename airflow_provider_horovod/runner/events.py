@@ -50,7 +50,7 @@ class Failure:
                    rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
                    host=text("host"), executor=text("executor"), exception=text("exception"), exit=text("exit"),
                    traceback=text("traceback") or "", tail=lines("tail"), launcher_output=lines("launcher_output"),
-                   consequence=raw.get("consequence") is True,
+                   consequence=raw.get("consequence") is True, error_class=text("error_class"),
                    time=when if isinstance(when, float) else time.time())
 
     @property

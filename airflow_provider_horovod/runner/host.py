@@ -257,7 +257,7 @@ def upload_artifacts(spec: RunSpec, task: TaskDir) -> Failure | None:
     The driver copies them itself when it can prove it sees this folder (same host), otherwise
     they are streamed over the channel.
     """
-    from airflow_provider_horovod.runner.artifacts import offer_tree
+    from airflow_provider_horovod.runner.artifacts import RefusedError, offer_tree
 
     if not spec.collect_artifacts or spec.channel is None:
         return None
@@ -269,6 +269,8 @@ def upload_artifacts(spec: RunSpec, task: TaskDir) -> Failure | None:
             offer_tree(conn, task.artifacts, task.path)
         finally:
             conn.close()
+    except RefusedError:
+        return None  # the driver refused them and recorded why: its verdict names it (with the result)
     except (OSError, ValueError) as err:
         return Failure(message="Rank 0's artifacts (checkpoints, timeline) did not reach the driver at %s:%d: %s"
                        % (spec.channel[0], spec.channel[1], err or type(err).__name__), rank=0,

@@ -169,21 +169,20 @@ def _setup(rank: int):
 
 def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
     """Write and send this rank's failure: its exception, traceback and last lines."""
+    from airflow_provider_horovod.exceptions import provider_class_name
     from airflow_provider_horovod.runner.events import Failure
+    from airflow_provider_horovod.runner.host import where
     from airflow_provider_horovod.runner.names import MSG_ERROR
 
     text = traceback.format_exc()
     sys.stderr.write(text)
-    from airflow_provider_horovod.runner.host import where
-
-    from airflow_provider_horovod.exceptions import provider_class_name
-
     exception = "%s: %s" % (type(err).__name__, err)
     if pump is not None:
         pump.close()
-    failure = Failure(message="%s failed: %s" % (where(slot) if slot else "Rank %d" % rank, exception), rank=rank, host=getattr(slot, "hostname", None),
-                      executor=getattr(slot, "executor", None), exception=exception, traceback=text,
-                      tail=tuple(pump.tail) if pump is not None else (), error_class=provider_class_name(err))
+    failure = Failure(message="%s failed: %s" % (where(slot) if slot else "Rank %d" % rank, exception), rank=rank,
+                      host=getattr(slot, "hostname", None), executor=getattr(slot, "executor", None),
+                      exception=exception, traceback=text, tail=tuple(pump.tail) if pump is not None else (),
+                      error_class=provider_class_name(err))
     if task is not None:
         with contextlib.suppress(OSError):
             task.error(rank).write_text(json.dumps(failure.to_json()))

@@ -305,6 +305,15 @@ class HorovodRunnerHook(BaseHook):
         home = conf.get("core", "airflow_home", fallback=None) or os.environ.get("AIRFLOW_HOME") or "~/airflow"
         return os.path.join(os.path.expanduser(home), "horovod-artifacts")
 
+    @classmethod
+    def resume_roots(cls, artifact_root: str | None) -> list[str]:
+        """Where a ``resume`` URI may point: the task's artifact root (or the default) and
+        ``[horovod] resume_extra_roots`` (comma-separated)."""
+        from airflow.sdk import conf
+
+        extra = conf.get("horovod", "resume_extra_roots", fallback="") or ""
+        return [artifact_root or cls.default_artifact_root()] + [r.strip() for r in extra.split(",") if r.strip()]
+
     def download(self, source: ObjectStoragePath | str, prefix: str = "hvd-resume-") -> str:
         """Copy a stored checkpoint folder (or file) to a new local temporary folder; return its path.
 

@@ -78,6 +78,18 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "s3://aws_default@my-bucket/other-team/horovod",
                         "default": "",
                     },
+                    "resume_extra_roots": {
+                        "description": (
+                            "HorovodRunnerOperator's resume=<uri> copies that folder to every executor, so it "
+                            "must lie under the task's artifact_root. Roots listed here (comma-separated URLs) "
+                            "are allowed too, e.g. checkpoints another team's DAG stores elsewhere. Local "
+                            "paths are compared after resolving links."
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "s3://aws_default@my-bucket/pretrained",
+                        "default": "",
+                    },
                 },
             }
         },

@@ -39,6 +39,7 @@ TIMELINE = "timeline.json"
 RESULT_FILE = "result.pkl"
 TRY_FOLDER = re.compile(r"^try-([1-9][0-9]{0,6})$")
 VERSION_FOLDER = re.compile(r"^[0-9]{6,}$")
+LOCAL_PROTOCOLS = ("file", "local", "")
 STATE_KEY = "horovod_checkpoint"  # the task_state_store key of the newest committed version
 
 
@@ -224,7 +225,7 @@ def prune_versions(folder: Any, keep: int) -> None:
 
 
 def _remove_tree(path: Any) -> None:
-    if path.protocol in ("file", "local", ""):
+    if path.protocol in LOCAL_PROTOCOLS:
         shutil.rmtree(str(path.path), ignore_errors=True)
     else:
         path.rmdir(recursive=True)
@@ -305,11 +306,21 @@ def record_checkpoint(state: Any, checkpoint: Checkpoint) -> None:
                           "step": checkpoint.step, "seq": checkpoint.seq, "at": time.time()})
 
 
-def checkpoint_at(uri: str) -> Any:
+def checkpoint_at(uri: str, *, roots: list[str]) -> Any:
     """The checkpoint folder a ``resume`` URI names: a try folder (its newest checkpoint), its
     ``checkpoints/``, a version, or any other folder. A try folder of this provider counts only
-    with something committed in it."""
+    with something committed in it.
+
+    The folder must lie inside one of ``roots`` (the artifact root and ``[horovod]
+    resume_extra_roots``): whatever it holds is copied to every executor, and the URI may come from
+    an asset event's extra, which anyone allowed to create asset events writes.
+    """
     path = storage_path(uri)
+    if not any(is_inside(path, storage_path(root)) for root in roots):
+        raise ArtifactError(
+            "Cannot resume from %s: it is outside the artifact root (%s), and whatever resume names is "
+            "copied to every executor. Resume from a checkpoint under the artifact root, or list its root "
+            "in [horovod] resume_extra_roots." % (path, ", ".join(roots)))
     if _try_number(path) is not None:
         found = newest_checkpoint(path)
         if found is None:
@@ -322,6 +333,20 @@ def checkpoint_at(uri: str) -> Any:
             "committed try folder." % (path, MARKER, path.parent)
         )
     return path
+
+
+def is_inside(path: Any, root: Any) -> bool:
+    """Whether ``path`` is ``root`` or below it, in the same store through the same connection; on
+    local disk after resolving links, elsewhere with no ``..`` in the path."""
+    if (path.protocol, path.conn_id) != (root.protocol, root.conn_id):
+        return False
+    if path.protocol in LOCAL_PROTOCOLS:
+        inner, outer = os.path.realpath(path.path), os.path.realpath(root.path)
+    elif ".." in path.path.split("/"):
+        return False
+    else:
+        inner, outer = "/" + path.path.strip("/"), "/" + root.path.strip("/")
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
 
 def describe_versions(folder: Any) -> list[dict[str, Any]]:

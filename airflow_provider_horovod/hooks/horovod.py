@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import tempfile
 import threading
@@ -26,12 +27,16 @@ from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.runner.artifacts import TransferError, safe_relative
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from airflow.sdk import Connection
 
 EMBEDDED_MASTER = "local[2]"
 MASTER_PATTERN = re.compile(r"^(local(\[(\d+|\*)(,\s*\d+)?\])?|local-cluster\[[\d,\s]+\]|yarn|spark://.+|k8s://.+)$")
+# The embedded Spark lives inside the task: no UI for other local users to kill its job from, and
+# nothing listening beyond loopback (``spark_conf`` may still say otherwise).
+EMBEDDED_CONF = {"spark.ui.enabled": "false", "spark.ui.killEnabled": "false", "spark.driver.host": "127.0.0.1",
+                 "spark.driver.bindAddress": "127.0.0.1"}
 # Extras of the ``spark`` connection that only mean something to spark-submit.
 SPARK_SUBMIT_ONLY_EXTRAS = ("spark-binary", "rest-scheme", "rest-port", "yarn_resourcemanager_webapp_address")
 # The extra of a ``spark`` connection that names its Spark History Server (the "Spark UI" link goes there).
@@ -127,7 +132,8 @@ class HorovodRunnerHook(BaseHook):
                 "Define %r (type spark or spark_connect) to use a cluster.",
                 self.spark_conn_id, EMBEDDED_MASTER, self.spark_conn_id,
             )
-            target = SparkTarget(conn_id=self.spark_conn_id, master=EMBEDDED_MASTER, embedded_fallback=True)
+            target = SparkTarget(conn_id=self.spark_conn_id, master=EMBEDDED_MASTER, conf=dict(EMBEDDED_CONF),
+                                 embedded_fallback=True)
         else:
             target = self._target_from_connection(conn)
         target.conf.update(_conf_values(self.spark_conf, "spark_conf"))
@@ -305,6 +311,15 @@ class HorovodRunnerHook(BaseHook):
         home = conf.get("core", "airflow_home", fallback=None) or os.environ.get("AIRFLOW_HOME") or "~/airflow"
         return os.path.join(os.path.expanduser(home), "horovod-artifacts")
 
+    @classmethod
+    def resume_roots(cls, artifact_root: str | None) -> list[str]:
+        """Where a ``resume`` URI may point: the task's artifact root (or the default) and
+        ``[horovod] resume_extra_roots`` (comma-separated)."""
+        from airflow.sdk import conf
+
+        extra = conf.get("horovod", "resume_extra_roots", fallback="") or ""
+        return [artifact_root or cls.default_artifact_root()] + [r.strip() for r in extra.split(",") if r.strip()]
+
     def download(self, source: ObjectStoragePath | str, prefix: str = "hvd-resume-") -> str:
         """Copy a stored checkpoint folder (or file) to a new local temporary folder; return its path.
 
@@ -363,11 +378,49 @@ def start_jvm(conf: dict[str, str], logger: logging.Logger) -> None:
         read_fd = os.open(path, os.O_RDONLY)
         os.unlink(path)
         _JvmLines(read_fd, logger).start()
-        conf_for_submit = SparkConf(loadDefaults=False).setAll(sorted(conf.items()))
-        gateway = launch_gateway(conf_for_submit, popen_kwargs={"stdout": fd, "stderr": fd, "start_new_session": True})
+        with _conf_in_private_file(conf):
+            gateway = launch_gateway(SparkConf(loadDefaults=False),
+                                     popen_kwargs={"stdout": fd, "stderr": fd, "start_new_session": True})
     finally:
         os.close(fd)
     SparkContext._ensure_initialized(gateway=gateway)
+
+
+@contextlib.contextmanager
+def _conf_in_private_file(conf: dict[str, str]) -> Iterator[None]:
+    """spark-submit reads ``conf`` from a file only this user can read (``--properties-file``, with
+    ``--load-spark-defaults`` so that ``spark-defaults.conf`` still applies beneath it), never from
+    its command line, which every local user sees in ``ps`` (``spark.authenticate.secret``, store
+    keys). PySpark's ``launch_gateway`` takes that option only from ``PYSPARK_SUBMIT_ARGS``, read
+    while it starts the JVM. The file goes once the JVM is up (SparkSubmit reads it before it opens
+    the gateway)."""
+    fd, path = tempfile.mkstemp(prefix="hvd-spark-", suffix=".properties")  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines("%s=%s\n" % (_escaped_property(key), _escaped_property(value))
+                         for key, value in sorted(conf.items()))
+        before = os.environ.get("PYSPARK_SUBMIT_ARGS")
+        os.environ["PYSPARK_SUBMIT_ARGS"] = "--properties-file %s --load-spark-defaults %s" % (
+            shlex.quote(path), before or "pyspark-shell")
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("PYSPARK_SUBMIT_ARGS", None)
+            else:
+                os.environ["PYSPARK_SUBMIT_ARGS"] = before
+    finally:
+        os.unlink(path)
+
+
+# Java's Properties.load reads these back as the character itself; Spark reads the file as UTF-8.
+_PROPERTY_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\f": "\\f", "=": "\\=",
+                     ":": "\\:", " ": "\\ ", "#": "\\#", "!": "\\!"}
+
+
+def _escaped_property(text: str) -> str:
+    """``text`` as a key or value of a Java properties file (Spark trims a value's outer spaces)."""
+    return "".join(_PROPERTY_ESCAPES.get(c, c) for c in text)
 
 
 class _JvmLines(threading.Thread):

@@ -201,7 +201,8 @@ class HorovodRunnerOperator(BaseOperator):
                     self.log.info("No committed checkpoint in earlier tries: starting from scratch.")
                 return None, None
         else:
-            source = store.Checkpoint(store.checkpoint_at(str(self.resume)), None)
+            roots = self.hook.resume_roots(self.artifact_root)
+            source = store.Checkpoint(store.checkpoint_at(str(self.resume), roots=roots), None)
         self.log.info("Resuming from checkpoint %s", source.describe())
         return source, self.hook.download(source.path)
 

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -45,6 +46,14 @@ FINISHED = ("success", "failed")
 
 class DeploymentError(RuntimeError):
     """The deployment could not start, or an API call did not give what the test needed."""
+
+
+def write_private(path: Path, text: str) -> None:
+    """``text`` into a new file only this user can read (0600 from the start)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
 
 
 def free_port() -> int:
@@ -95,7 +104,8 @@ def _alive(pid: int) -> bool:
 
 
 class Postgres:
-    """A PostgreSQL server of its own in a temporary folder, on a free port, trust auth on 127.0.0.1."""
+    """A PostgreSQL server of its own in a private temporary folder, on a free port of 127.0.0.1,
+    with a random password (SCRAM) for every connection: no other local user gets in."""
 
     def __init__(self) -> None:
         self.bin = postgres_bin()
@@ -104,23 +114,29 @@ class Postgres:
         self.port = free_port()
         self.log = self.root / "server.log"
         self._user = "postgres" if os.geteuid() == 0 else None  # initdb refuses to run as root
+        self.password = secrets.token_urlsafe(24)
         self.started = False
 
     @property
     def url(self) -> str:
-        return "postgresql+psycopg2://postgres@127.0.0.1:%d/airflow" % self.port
+        return "postgresql+psycopg2://postgres:%s@127.0.0.1:%d/airflow" % (self.password, self.port)
 
     def _as_server_user(self, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         if self._user is not None:
             argv = ["runuser", "-u", self._user, "--", *argv]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=120, **kwargs)
+        env = {**os.environ, "PGPASSWORD": self.password}
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, **kwargs)
 
     def start(self) -> None:
+        password_file = self.root / "password"
+        write_private(password_file, self.password)
         if self._user is not None:
             entry = pwd.getpwnam(self._user)
-            os.chown(self.root, entry.pw_uid, entry.pw_gid)
-        done = self._as_server_user([str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
-                                     "--no-sync", "-E", "UTF8"])
+            for path in (self.root, password_file):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+        done = self._as_server_user([str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres",
+                                     "--auth=scram-sha-256", "--pwfile", str(password_file), "--no-sync", "-E", "UTF8"])
+        password_file.unlink()
         if done.returncode != 0:
             raise DeploymentError("initdb failed:\n%s%s" % (done.stdout, done.stderr))
         options = "-p %d -k %s -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200" % (self.port, self.root)
@@ -342,6 +358,8 @@ class Deployment:
     def __init__(self, root: Path, dag_files: Iterable[Path], env: dict[str, str] | None = None,
                  path_prefix: str = "") -> None:
         self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o700)  # AIRFLOW_HOME, the logs and the artifacts are this user's alone
         self.home = self.root / "airflow"
         self.dags = self.root / "dags"
         self.artifacts = self.root / "artifacts"
@@ -352,7 +370,7 @@ class Deployment:
             shutil.copy(source, self.dags / Path(source).name)
         self.postgres = Postgres()
         self.api_port = free_port()
-        self.password = "admin-%d" % self.api_port
+        self.password = secrets.token_urlsafe(16)  # random: no other local user can guess a login
         self.base_url = "http://127.0.0.1:%d%s" % (self.api_port, path_prefix.rstrip("/"))
         self.procs: dict[str, subprocess.Popen] = {}
         self._api: Api | None = None
@@ -372,7 +390,7 @@ class Deployment:
             "AIRFLOW__API__PORT": str(self.api_port),
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__BASE_URL": self.base_url,
-            "AIRFLOW__API_AUTH__JWT_SECRET": "hvd-test-%d" % self.api_port,
+            "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
             "AIRFLOW__API_AUTH__JWT_EXPIRATION_TIME": "7200",
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
@@ -401,7 +419,7 @@ class Deployment:
     def up(self) -> None:
         self.postgres.start()
         self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = self.postgres.url
-        (self.home / "passwords.json").write_text(json.dumps({ADMIN_USER: self.password}))
+        self.write_login()
         migrate = subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True, timeout=600)
         if migrate.returncode != 0:
             raise DeploymentError("airflow db migrate failed:\n%s" % (migrate.stdout + migrate.stderr)[-4000:])
@@ -412,6 +430,10 @@ class Deployment:
         for component in self.COMPONENTS[1:]:
             self._start_component(component)
         self._wait_healthy(("metadatabase", "scheduler", "dag_processor", "triggerer"))
+
+    def write_login(self) -> None:
+        """The admin's login for the simple auth manager, in a file only this user can read."""
+        write_private(self.home / "passwords.json", json.dumps({ADMIN_USER: self.password}))
 
     def _start_component(self, component: str) -> None:
         with (self.logs / ("%s.log" % component)).open("wb") as log:

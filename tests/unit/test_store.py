@@ -66,8 +66,8 @@ def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_chec
     finally:
         shutil.rmtree(local_copy)
     with pytest.raises(ArtifactError, match="never committed"):
-        store.checkpoint_at(str(try2 / "checkpoints"))
-    assert str(store.checkpoint_at(str(try1))) == str(try1 / "checkpoints")
+        store.checkpoint_at(str(try2 / "checkpoints"), roots=[str(root)])
+    assert str(store.checkpoint_at(str(try1), roots=[str(root)])) == str(try1 / "checkpoints")
 
 
 def test_a_marker_without_complete_true_offers_no_final_checkpoint(tmp_path):
@@ -89,7 +89,7 @@ def test_a_killed_try_offers_its_newest_committed_version_and_prunes_to_keep(tmp
     assert (found.try_number, found.seq, found.step) == (1, 3, 30)
     assert (found.path / "step.txt").read_text() == "3"
     assert "try 1, version 3, step 30" in found.describe()
-    assert store.checkpoint_at(str(try1)) == found.path
+    assert store.checkpoint_at(str(try1), roots=[str(tmp_path)]) == found.path
 
 
 def test_a_version_without_its_marker_is_never_offered(tmp_path):

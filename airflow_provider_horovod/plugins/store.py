@@ -21,12 +21,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from airflow_provider_horovod import store
+from airflow_provider_horovod.runner import timeline as hvd_timeline
 from airflow_provider_horovod.store import MARKER, TIMELINE
 
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
 
-MAX_TIMELINE_BYTES = 256 << 20  # drawn in the API server's memory; larger ones are only downloadable
+MAX_TIMELINE_BYTES = 64 << 20  # drawn one at a time, its events streamed (N14); larger ones are only downloadable
 
 
 class BadRequest(ValueError):
@@ -118,8 +119,9 @@ class Try:
             raise NotFound(rel)
         return path
 
-    def timeline_events(self) -> list[dict[str, Any]] | None:
-        """The stored timeline's events, or ``None`` when this try has none (or it is too large to draw)."""
+    def timeline(self) -> hvd_timeline.Timeline | None:
+        """The stored timeline, parsed as it streams from the file (never held whole in memory), or
+        ``None`` when this try has none, or one too large to draw, or one that is not JSON."""
         if TIMELINE not in self._listed:
             return None
         path = self.file(TIMELINE)
@@ -128,10 +130,9 @@ class Try:
             return None
         try:
             with path.open("rb") as f:
-                events = json.loads(f.read())
+                return hvd_timeline.parse(hvd_timeline.iter_events(f))
         except ValueError:  # not JSON: the engine repairs a cut timeline, so this one is not Horovod's
             return None
-        return events if isinstance(events, list) else []
 
 
 @dataclasses.dataclass

@@ -154,6 +154,7 @@ class _Pictures:
 
     def __init__(self, size: int = 16) -> None:
         self._lock = threading.Lock()
+        self._drawing = threading.Lock()
         self._items: OrderedDict[tuple[str, Any], str | None] = OrderedDict()
         self._size = size
 
@@ -163,8 +164,9 @@ class _Pictures:
             if key in self._items:
                 self._items.move_to_end(key)
                 return self._items[key]
-        events = t.timeline_events()
-        svg = None if events is None else hvd_timeline.render_svg(hvd_timeline.parse(events), title=title)
+        with self._drawing:  # one drawing at a time: its memory is the most one request may cost
+            parsed = t.timeline()
+            svg = None if parsed is None else hvd_timeline.render_svg(parsed, title=title)
         with self._lock:
             self._items[key] = svg
             while len(self._items) > self._size:

@@ -15,6 +15,7 @@ that DAG's task instances (else 403). Then :mod:`.store` decides what may be rea
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -106,19 +107,19 @@ def timeline_svg(dag_id: str, run_id: str, task_id: str, try_number: int, map_in
 def download(dag_id: str, run_id: str, task_id: str, try_number: int, path: str, map_index: str | None = None) -> Response:
     chosen = _try(_task(dag_id, run_id, task_id, map_index), try_number)
     try:
-        stored = chosen.file(path)
+        stored = chosen.open(path)  # on local disk by descriptor: what was checked is what is sent
     except NotFound:
         raise HTTPException(404, "Try %d stored no file %r" % (try_number, path)) from None
     name = path.rsplit("/", 1)[-1]
 
     def chunks() -> Iterator[bytes]:
-        with stored.open("rb") as f:
+        with stored as f:
             while block := f.read(CHUNK):
                 yield block
 
     headers = {"Content-Disposition": "attachment; filename*=UTF-8''%s" % quote(name, safe=""),
                "X-Content-Type-Options": "nosniff", "Cache-Control": "private, no-cache"}
-    size = next((f.size for f in chosen.files() if f.path == path), None)
+    size = os.fstat(stored.fileno()).st_size if chosen.local else next((f.size for f in chosen.files() if f.path == path), None)
     if size is not None:
         headers["Content-Length"] = str(size)
     media = "application/json" if name.endswith(".json") else "application/octet-stream"

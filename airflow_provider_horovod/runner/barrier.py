@@ -216,7 +216,7 @@ def prepare(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: 
     if services.exec_service is not None:
         services.exec_service.expect(plan, partition)
     if spec.has_resume and plan.host_leader(slot.hostname).partition == partition:
-        fetch_resume(spec, task.resume)  # over the channel: the engine refuses resume_from without one
+        fetch_resume(spec, task.resume, partition)  # over the channel: the engine refuses resume_from without one
     if services.rendezvous is not None:
         services.rendezvous.init(plan)
 
@@ -318,12 +318,12 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
         shutil.rmtree(task.path, ignore_errors=True)
 
 
-def run_local(spec: RunSpec, np: int) -> bytes:
-    """``np < 0``: ``np`` rank processes on the driver, no Spark job. Returns rank 0's pickled result."""
+def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:
+    """``np < 0``: ``np`` rank processes on the driver, no Spark job, in the folder ``task`` (removed
+    at the end). Returns rank 0's pickled result."""
     from airflow_provider_horovod.runner.gloo import Rendezvous
     from airflow_provider_horovod.runner.mpi import mpirun_argv
 
-    task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "local", os.getpid())))
     rendezvous = None
     try:
         missing = missing_programs(spec)

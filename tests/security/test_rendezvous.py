@@ -68,3 +68,34 @@ def test_before_the_plan_nobody_is_answered():
         assert _request(server, "PUT", "/global/rank_0", b"x", source="127.0.0.1")[0] is None
     finally:
         server.stop()
+
+
+_AS_ANOTHER_USER = """
+import http.client, sys
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=5)
+conn.request("PUT", "/global/rank_0", body=b"attacker:1")
+print(conn.getresponse().status)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another local user (nobody) needs root")
+def test_the_documented_limit_another_local_user_on_a_plan_host_can_write_a_rendezvous_entry():
+    """docs/security.md, "The Gloo rendezvous": the allow-list is by address, so on a host of the
+    plan (here every rank is on 127.0.0.1) any local user reaches Horovod's unauthenticated server.
+    If this test fails, the rendezvous became authenticated: update the docs."""
+    import shutil
+    import subprocess
+    import sys
+
+    server = Rendezvous("127.0.0.1")
+    facts = [TaskFacts(partition=p, executor="driver", address="127.0.0.1", pid=1, task_dir="/x", python="3.11")
+             for p in range(2)]
+    server.init(make_plan(facts))
+    try:
+        python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable  # one that nobody may run
+        done = subprocess.run([python, "-I", "-c", _AS_ANOTHER_USER, str(server.port)], user=65534, group=65534,
+                              capture_output=True, text=True, timeout=30, cwd="/")
+        assert done.stdout.strip() == "200", done.stderr
+        assert _request(server, "GET", "/global/rank_0", source="127.0.0.1") == (200, b"attacker:1")
+    finally:
+        server.stop()

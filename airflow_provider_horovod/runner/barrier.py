@@ -181,7 +181,7 @@ class TaskServices:
 
             self.exec_service = ExecService(address, spec.secret, env, os.getpid(), on_launch, log_path=task.orted_log)
         if spec.launcher == "gloo" and partition == 0:
-            self.rendezvous = Rendezvous(address)
+            self.rendezvous = Rendezvous(address, spec.secret)
 
     def close(self) -> None:
         if self.exec_service is not None:
@@ -339,7 +339,7 @@ def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:
         env = base_env(spec, task)
         with ship_checkpoints(spec, task, rank0=True):
             if spec.launcher == "gloo":
-                rendezvous = Rendezvous("127.0.0.1")
+                rendezvous = Rendezvous("127.0.0.1", spec.secret)
                 rendezvous.init(plan)
                 failure = run_ranks(spec, plan, list(plan.slots), task, env, rendezvous=("127.0.0.1", rendezvous.port))
             else:

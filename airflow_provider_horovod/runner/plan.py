@@ -185,10 +185,12 @@ def gpu_env(slot: Slot) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus)} if slot.gpus else {}
 
 
-def gloo_env(rendezvous_addr: str, rendezvous_port: int, iface: str, timeout_s: int) -> dict[str, str]:
-    """What every Gloo rank needs to find Horovod's rendezvous server."""
+def gloo_env(rendezvous_addr: str, rendezvous_port: int, iface: str, timeout_s: int, token: str) -> dict[str, str]:
+    """What every Gloo rank needs to find Horovod's rendezvous server. Horovod's client builds
+    ``http://<ADDR>:<PORT>/<scope>/<key>``, so ``<addr>:<port>/<token>`` as ADDR puts the run's token
+    first in every request's path (the server requires it, ``gloo.py``)."""
     return {
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_addr,
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "%s:%d/%s" % (rendezvous_addr, rendezvous_port, token),
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
         "HOROVOD_CONTROLLER": "gloo",
         "HOROVOD_CPU_OPERATIONS": "gloo",

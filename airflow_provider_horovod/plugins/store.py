@@ -159,9 +159,8 @@ class Try:
     def files(self) -> list[StoredFile]:
         out = []
         for rel in self.listed():
-            with contextlib.suppress(NotFound):
-                path = self.file(rel)
-                out.append(StoredFile(rel, self.local.size(rel) if self.local else _size(path)))
+            with contextlib.suppress(NotFound):  # one walk per file on local disk: open, fstat, close
+                out.append(StoredFile(rel, self.local.size(rel) if self.local else _size(self.file(rel))))
         return out
 
     def versions(self) -> list[dict[str, Any]]:

@@ -147,7 +147,8 @@ def run_gloo_ranks(spec: RunSpec, slots: list[Slot], rendezvous: tuple[str, int]
     try:
         for slot in slots:
             rank_env = dict(env)
-            rank_env.update(gloo_env(rendezvous[0], rendezvous[1], slot.iface, spec.gloo_timeout_s))
+            rank_env.update(gloo_env(rendezvous[0], rendezvous[1], slot.iface, spec.gloo_timeout_s,
+                                     wire.rendezvous_token(spec.secret)))
             rank_env[names.ENV_RANK] = str(slot.rank)
             with TaskDir(slot.task_dir).rank_log(slot.rank).open("wb") as out:
                 proc = procs.spawn(WORKER, rank_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

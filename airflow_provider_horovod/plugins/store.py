@@ -5,8 +5,9 @@ A task instance's folders are the layout of ``airflow_provider_horovod.store``, 
 
 * every id must be one path component (no ``/``, ``\\``, NUL, ``.`` or ``..``), else 400;
 * a file is served only when the try's marker (``_ARTIFACTS.json``, written last) lists it;
-* on local disk, a file (or a folder on its way) that is a symlink, or that resolves outside
-  its try folder, is refused.
+* on local disk, everything is opened by descriptor from the root down, one component at a time
+  with ``O_NOFOLLOW``, and read from that descriptor: a link anywhere below the root (a file, a try
+  folder, a folder on the way), even one swapped in after a check, is refused, never followed.
 
 Anything refused reads as absent (404), so a probe learns nothing about the disk.
 """
@@ -18,15 +19,17 @@ import dataclasses
 import functools
 import json
 import os
-from typing import TYPE_CHECKING, Any
+import stat
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from airflow_provider_horovod import store
+from airflow_provider_horovod.runner import timeline as hvd_timeline
 from airflow_provider_horovod.store import MARKER, TIMELINE
 
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
 
-MAX_TIMELINE_BYTES = 256 << 20  # drawn in the API server's memory; larger ones are only downloadable
+MAX_TIMELINE_BYTES = 64 << 20  # drawn one at a time, its events streamed (N14); larger ones are only downloadable
 
 
 class BadRequest(ValueError):
@@ -56,6 +59,65 @@ def roots() -> list[str]:
     return found
 
 
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalFolder:
+    """A folder of a store on local disk: the operator's root (taken as configured) and the
+    components below it, each opened by descriptor with ``O_NOFOLLOW`` (``NotFound`` if any fails)."""
+
+    root: str
+    parts: tuple[str, ...] = ()
+
+    def child(self, *parts: str) -> LocalFolder:
+        return LocalFolder(self.root, self.parts + parts)
+
+    def open_dir(self, *below: str) -> int:
+        """A descriptor of this folder (or of ``below`` inside it), reached without following a link."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            raise NotFound(self.root) from None
+        for part in self.parts + below:
+            try:
+                child = os.open(part, _OPEN_DIR, dir_fd=fd)
+            except OSError:
+                raise NotFound(part) from None
+            finally:
+                os.close(fd)
+            fd = child
+        return fd
+
+    def open_file(self, rel: str) -> int:
+        """A descriptor of the regular file ``rel`` (``/``-separated) inside this folder, no link followed."""
+        *folders, name = rel.split("/")
+        dir_fd = self.open_dir(*folders)
+        try:
+            fd = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
+        except OSError:
+            raise NotFound(rel) from None
+        finally:
+            os.close(dir_fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise NotFound(rel)
+        os.set_blocking(fd, True)
+        return fd
+
+    def size(self, rel: str) -> int:
+        fd = self.open_file(rel)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+
+def _local(folder: ObjectStoragePath) -> LocalFolder | None:
+    return LocalFolder(str(folder.path)) if folder.protocol in ("file", "local", "") else None
+
+
 @dataclasses.dataclass
 class StoredFile:
     path: str  # relative to the try folder, with "/"
@@ -69,6 +131,10 @@ class Try:
     number: int
     folder: ObjectStoragePath
     marker: dict[str, Any] | None  # None: not committed (still running, or the worker died)
+    local: LocalFolder | None = None  # on local disk: how to reach the folder from its root
+
+    def __post_init__(self) -> None:
+        self.local = self.local or _local(self.folder)
 
     @property
     def status(self) -> str:
@@ -93,18 +159,17 @@ class Try:
     def files(self) -> list[StoredFile]:
         out = []
         for rel in self.listed():
-            with contextlib.suppress(NotFound):
-                path = self.file(rel)
-                out.append(StoredFile(rel, _size(path)))
+            with contextlib.suppress(NotFound):  # one walk per file on local disk: open, fstat, close
+                out.append(StoredFile(rel, self.local.size(rel) if self.local else _size(self.file(rel))))
         return out
 
     def versions(self) -> list[dict[str, Any]]:
         """The checkpoint versions committed during this try (a killed try's too), oldest first."""
-        if self.folder.protocol in ("file", "local", ""):
-            with contextlib.suppress(NotFound):
-                _check_local(str(self.folder.path), str((self.folder / store.VERSIONS).path))
-                return store.describe_versions(self.folder)
-            return []
+        if self.local:
+            try:
+                os.close(self.local.open_dir(store.VERSIONS))
+            except NotFound:
+                return []
         return store.describe_versions(self.folder)
 
     def file(self, rel: str) -> ObjectStoragePath:
@@ -112,26 +177,32 @@ class Try:
         if rel not in self._listed:
             raise NotFound(rel)
         path = self.folder / rel
-        if path.protocol in ("file", "local", ""):
-            _check_local(str(self.folder.path), str(path.path))
-        if not path.is_file():
+        if self.local:
+            os.close(self.local.open_file(rel))
+        elif not path.is_file():
             raise NotFound(rel)
         return path
 
-    def timeline_events(self) -> list[dict[str, Any]] | None:
-        """The stored timeline's events, or ``None`` when this try has none (or it is too large to draw)."""
+    def open(self, rel: str) -> BinaryIO:
+        """The stored file ``rel`` opened for reading; on local disk, by descriptor, no link followed."""
+        path = self.file(rel)
+        if self.local:
+            return os.fdopen(self.local.open_file(rel), "rb")
+        return path.open("rb")
+
+    def timeline(self) -> hvd_timeline.Timeline | None:
+        """The stored timeline, parsed as it streams from the file (never held whole in memory), or
+        ``None`` when this try has none, or one too large to draw, or one that is not JSON."""
         if TIMELINE not in self._listed:
             return None
-        path = self.file(TIMELINE)
-        size = _size(path)
+        size = self.local.size(TIMELINE) if self.local else _size(self.file(TIMELINE))
         if size is not None and size > MAX_TIMELINE_BYTES:
             return None
         try:
-            with path.open("rb") as f:
-                events = json.loads(f.read())
+            with self.open(TIMELINE) as f:
+                return hvd_timeline.parse(hvd_timeline.iter_events(f))
         except ValueError:  # not JSON: the engine repairs a cut timeline, so this one is not Horovod's
             return None
-        return events if isinstance(events, list) else []
 
 
 @dataclasses.dataclass
@@ -139,17 +210,19 @@ class TaskArtifacts:
     """Every try folder of one task instance."""
 
     folder: ObjectStoragePath | None  # None: this task instance stored nothing
+    local: LocalFolder | None = None  # on local disk: how to reach the folder from its root
 
     @classmethod
     def find(cls, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> TaskArtifacts:
         ids = (component(dag_id, "dag_id"), component(run_id, "run_id"), component(task_id, "task_id"))
+        below = ids + (("map-%d" % map_index,) if map_index >= 0 else ())
         for root in roots():
             folder = store.task_folder(root, *ids, map_index)
-            if folder.protocol in ("file", "local", ""):
+            local = _local(store.storage_path(root))
+            if local:
                 with contextlib.suppress(NotFound):
-                    _check_local(str(store.storage_path(root).path), str(folder.path))
-                    if folder.is_dir():
-                        return cls(folder)
+                    os.close(local.open_dir(*below))
+                    return cls(folder, local.child(*below))
                 continue
             with contextlib.suppress(Exception):
                 if folder.is_dir():
@@ -169,21 +242,23 @@ class TaskArtifacts:
         if self.folder is None or number < 1:
             raise NotFound("try %s" % number)
         folder = store.try_folder(self.folder, number)
-        if folder.protocol in ("file", "local", ""):
-            _check_local(str(self.folder.path), str(folder.path))
+        if self.local:
+            local = self.local.child(folder.name)
+            os.close(local.open_dir())
+            return Try(number, folder, _read_local_marker(local), local)
         if not folder.is_dir():
             raise NotFound("try %s" % number)
-        return Try(number, folder, _read_marker(folder))
+        parsed = store.read_marker(folder)
+        return Try(number, folder, parsed.to_json() if parsed is not None else None)
 
 
-def _read_marker(folder: ObjectStoragePath) -> dict[str, Any] | None:
-    marker = folder / MARKER
-    if marker.protocol in ("file", "local", ""):
-        try:
-            _check_local(str(folder.path), str(marker.path))
-        except NotFound:
-            return None
-    parsed = store.read_marker(folder)
+def _read_local_marker(folder: LocalFolder) -> dict[str, Any] | None:
+    """The try's marker, read from a descriptor (no link followed); ``None`` if absent or not one."""
+    try:
+        with os.fdopen(folder.open_file(MARKER), "rb") as f:
+            parsed = store.TryMarker.from_json(json.loads(f.read()))
+    except (NotFound, ValueError):
+        return None
     return parsed.to_json() if parsed is not None else None
 
 
@@ -191,23 +266,6 @@ def _relative_ok(rel: str) -> bool:
     parts = rel.split("/")
     return bool(rel) and not rel.startswith("/") and "\\" not in rel and "\x00" not in rel and all(
         p not in ("", ".", "..") for p in parts)
-
-
-def _check_local(base: str, target: str) -> None:
-    """``target`` lies inside ``base`` on local disk with no symlink on the way from ``base``."""
-    base_real = os.path.realpath(base)
-    target_abs = os.path.abspath(target)
-    if os.path.commonpath([os.path.abspath(base), target_abs]) != os.path.abspath(base):
-        raise NotFound(target)
-    rel = os.path.relpath(target_abs, os.path.abspath(base))
-    current = os.path.abspath(base)
-    for part in ([] if rel == "." else rel.split(os.sep)):
-        current = os.path.join(current, part)
-        if os.path.islink(current):
-            raise NotFound(target)
-    real = os.path.realpath(target_abs)
-    if os.path.commonpath([base_real, real]) != base_real:
-        raise NotFound(target)
 
 
 def _size(path: ObjectStoragePath) -> int | None:

@@ -15,6 +15,7 @@ that DAG's task instances (else 403). Then :mod:`.store` decides what may be rea
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -106,19 +107,19 @@ def timeline_svg(dag_id: str, run_id: str, task_id: str, try_number: int, map_in
 def download(dag_id: str, run_id: str, task_id: str, try_number: int, path: str, map_index: str | None = None) -> Response:
     chosen = _try(_task(dag_id, run_id, task_id, map_index), try_number)
     try:
-        stored = chosen.file(path)
+        stored = chosen.open(path)  # on local disk by descriptor: what was checked is what is sent
     except NotFound:
         raise HTTPException(404, "Try %d stored no file %r" % (try_number, path)) from None
     name = path.rsplit("/", 1)[-1]
 
     def chunks() -> Iterator[bytes]:
-        with stored.open("rb") as f:
+        with stored as f:
             while block := f.read(CHUNK):
                 yield block
 
     headers = {"Content-Disposition": "attachment; filename*=UTF-8''%s" % quote(name, safe=""),
                "X-Content-Type-Options": "nosniff", "Cache-Control": "private, no-cache"}
-    size = next((f.size for f in chosen.files() if f.path == path), None)
+    size = os.fstat(stored.fileno()).st_size if chosen.local else next((f.size for f in chosen.files() if f.path == path), None)
     if size is not None:
         headers["Content-Length"] = str(size)
     media = "application/json" if name.endswith(".json") else "application/octet-stream"
@@ -154,6 +155,7 @@ class _Pictures:
 
     def __init__(self, size: int = 16) -> None:
         self._lock = threading.Lock()
+        self._drawing = threading.Lock()
         self._items: OrderedDict[tuple[str, Any], str | None] = OrderedDict()
         self._size = size
 
@@ -163,8 +165,9 @@ class _Pictures:
             if key in self._items:
                 self._items.move_to_end(key)
                 return self._items[key]
-        events = t.timeline_events()
-        svg = None if events is None else hvd_timeline.render_svg(hvd_timeline.parse(events), title=title)
+        with self._drawing:  # one drawing at a time: its memory is the most one request may cost
+            parsed = t.timeline()
+            svg = None if parsed is None else hvd_timeline.render_svg(parsed, title=title)
         with self._lock:
             self._items[key] = svg
             while len(self._items) > self._size:

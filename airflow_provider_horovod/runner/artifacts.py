@@ -285,10 +285,25 @@ def make_offer(root: Path, proof_dir: Path) -> dict[str, str]:
     return {"root": str(root.absolute()), "proof": str(proof.absolute()), "token": token}
 
 
-def _private_dir(path: str) -> int | None:
-    """A descriptor of ``path`` if it is a folder (not a link) this user owns and only it can enter."""
+def open_dir_strictly(path: Path) -> int:
+    """A descriptor of the folder at the absolute ``path``, reached from ``/`` one component at a
+    time without following a link on any of them (``OSError`` if one is a link)."""
+    fd = os.open("/", _OPEN_DIR)
     try:
-        fd = open_dir(Path(path))
+        for part in path.parts[1:]:
+            child = os.open(part, _OPEN_DIR, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _private_dir(path: Path) -> int | None:
+    """A descriptor of ``path`` if it is a folder (no link on the way) this user owns and only it can enter."""
+    try:
+        fd = open_dir_strictly(path)
     except OSError:
         return None
     st = os.fstat(fd)
@@ -313,13 +328,15 @@ def _read_proof(dir_fd: int, name: str, token: str) -> bool:
     return hmac.compare_digest(seen, token.encode())
 
 
-def verify_offer(offer: Any, *, root_ok: Callable[[Path], bool] = lambda root: True,
-                 proof_beside_root: bool = False) -> Path | None:
-    """The offered folder if this process reads the offer's token at its proof path; else ``None``.
+def open_offer(offer: Any, *, root_ok: Callable[[Path], bool] = lambda root: True,
+               proof_beside_root: bool = False) -> int | None:
+    """A descriptor of the offered folder if this process reads the offer's token at its proof path;
+    else ``None``. The caller closes it.
 
     ``root_ok``: which folders this taker accepts at all. ``proof_beside_root``: the proof must be
-    in the folder that holds ``root`` (a barrier task's own folder), which must be private to
-    this user, as must ``root``.
+    in the folder that holds ``root`` (a barrier task's own folder), which must be private to this
+    user and reached without a link on any component; ``root`` is then opened from that folder's
+    descriptor, so the folder copied is the one the proof was read in, whatever a path says later.
     """
     if not isinstance(offer, dict):
         return None
@@ -333,18 +350,22 @@ def verify_offer(offer: Any, *, root_ok: Callable[[Path], bool] = lambda root: T
         return None
     if proof_beside_root and proof_path.parent != root_path.parent:
         return None
-    folder = _private_dir(str(proof_path.parent)) if proof_beside_root else _open_dir_or_none(proof_path.parent)
+    folder = _private_dir(proof_path.parent) if proof_beside_root else _open_dir_or_none(proof_path.parent)
     if folder is None:
         return None
     try:
         if not _read_proof(folder, proof_path.name, token):
             return None
-        if proof_beside_root:
-            with contextlib.suppress(OSError):
-                os.unlink(proof_path.name, dir_fd=folder)  # used once
+        if not proof_beside_root:
+            return _open_dir_or_none(root_path)
+        with contextlib.suppress(OSError):
+            os.unlink(proof_path.name, dir_fd=folder)  # used once
+        try:
+            return os.open(root_path.name, _OPEN_DIR, dir_fd=folder)
+        except OSError:
+            return None
     finally:
         os.close(folder)
-    return root_path
 
 
 def _open_dir_or_none(path: Path) -> int | None:
@@ -387,18 +408,16 @@ def _copy_fd(src: int, dst: int, cancelled: Callable[[], bool], progress: Callab
         progress(done)
 
 
-def copy_tree(root: Path, dest: Path, *, cancelled: Callable[[], bool] = lambda: False,
+def copy_tree(root_fd: int, dest: Path, *, cancelled: Callable[[], bool] = lambda: False,
               progress: Callable[[int], None] = lambda done: None, limits: Limits = Limits(),
               owner: int | None = None) -> list[dict[str, Any]]:
-    """Copy every finished regular file under ``root`` into ``dest`` (links are never followed;
-    with ``owner``, only that user's files); files appear only when whole."""
+    """Copy every finished regular file under the folder ``root_fd`` (closed when done) into
+    ``dest`` (links are never followed; with ``owner``, only that user's files); files appear only
+    when whole."""
     received = []
     total = 0
-    dest.mkdir(parents=True, exist_ok=True)
-    root_fd = _tree_fd(root)
-    if root_fd is None:
-        return received
     try:
+        dest.mkdir(parents=True, exist_ok=True)
         for rel, fd in finished_files(root_fd, owner=owner):
             with os.fdopen(fd, "rb") as src:
                 total += os.fstat(src.fileno()).st_size
@@ -446,7 +465,7 @@ def take_tree(conn, dest: Path, *, allow_copy: bool = True, cancelled: Callable[
     offer = conn.recv().get("offer")
     local = None
     if allow_copy:
-        local = verify_offer(offer, root_ok=root_ok, proof_beside_root=True) if root_ok else verify_offer(offer)
+        local = open_offer(offer, root_ok=root_ok, proof_beside_root=True) if root_ok else open_offer(offer)
     mode = "copy" if local is not None else "stream"
     chosen(mode)
     conn.send({"mode": mode})

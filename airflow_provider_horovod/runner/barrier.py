@@ -174,16 +174,29 @@ class TaskServices:
         from airflow_provider_horovod.runner.gloo import Rendezvous
         from airflow_provider_horovod.runner.mpi import ExecService
 
-        self.exec_service = self.rendezvous = None
+        self.exec_service = self.rendezvous = self._hnp_port = None
+        if spec.launcher == "mpirun" and partition == 0:
+            self._hnp_port = socket.socket()  # held (bound) until mpirun is about to listen on it
+            self._hnp_port.bind((address, 0))
         if spec.launcher == "mpirun":
             def on_launch(_argv: list[str]) -> None:
                 client.send({"t": names.MSG_EVENT, "kind": "orted-launched", "partition": partition, "executor": executor})
 
             self.exec_service = ExecService(address, spec.secret, env, os.getpid(), on_launch, log_path=task.orted_log)
         if spec.launcher == "gloo" and partition == 0:
-            self.rendezvous = Rendezvous(address)
+            self.rendezvous = Rendezvous(address, spec.secret)
+
+    @property
+    def hnp_port(self) -> int:
+        return self._hnp_port.getsockname()[1] if self._hnp_port is not None else 0
+
+    def release_hnp_port(self) -> None:
+        """Just before mpirun starts: let it take the port the plan pins (``mpi.check_orted``)."""
+        if self._hnp_port is not None:
+            self._hnp_port.close()
 
     def close(self) -> None:
+        self.release_hnp_port()
         if self.exec_service is not None:
             self.exec_service.close()
         if self.rendezvous is not None:
@@ -199,7 +212,7 @@ def task_facts(ctx, spec: RunSpec, partition: int, executor: str, address: str, 
         partition=partition, executor=executor, address=address, pid=os.getpid(), task_dir=str(task.path),
         python=platform.python_version(), gpus=tuple(resources["gpu"].addresses) if "gpu" in resources else (),
         service_port=services.exec_service.port if services.exec_service else 0,
-        rendezvous_port=services.rendezvous.port if services.rendezvous else 0,
+        rendezvous_port=services.rendezvous.port if services.rendezvous else 0, hnp_port=services.hnp_port,
         iface=interface_for(address), network=network_for(address), missing=missing_programs(spec),
     )
 
@@ -216,7 +229,7 @@ def prepare(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: 
     if services.exec_service is not None:
         services.exec_service.expect(plan, partition)
     if spec.has_resume and plan.host_leader(slot.hostname).partition == partition:
-        fetch_resume(spec, task.resume)  # over the channel: the engine refuses resume_from without one
+        fetch_resume(spec, task.resume, partition)  # over the channel: the engine refuses resume_from without one
     if services.rendezvous is not None:
         services.rendezvous.init(plan)
 
@@ -257,6 +270,7 @@ def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[s
     env[names.ENV_EXEC_SERVICES] = json.dumps({name: "%s:%d" % (s.address, s.service_port) for name, s in leaders.items()})
     argv = mpirun_argv(plan, networks=plan.networks)
     hand_over_key(task.exec_key, wire.role_key(spec.secret, wire.ROLE_EXEC))
+    services.release_hnp_port()
     try:
         return run_ranks(spec, plan, [slot], task, env, mpirun=argv)
     finally:
@@ -318,12 +332,12 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
         shutil.rmtree(task.path, ignore_errors=True)
 
 
-def run_local(spec: RunSpec, np: int) -> bytes:
-    """``np < 0``: ``np`` rank processes on the driver, no Spark job. Returns rank 0's pickled result."""
+def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:
+    """``np < 0``: ``np`` rank processes on the driver, no Spark job, in the folder ``task`` (removed
+    at the end). Returns rank 0's pickled result."""
     from airflow_provider_horovod.runner.gloo import Rendezvous
     from airflow_provider_horovod.runner.mpi import mpirun_argv
 
-    task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "local", os.getpid())))
     rendezvous = None
     try:
         missing = missing_programs(spec)
@@ -339,7 +353,7 @@ def run_local(spec: RunSpec, np: int) -> bytes:
         env = base_env(spec, task)
         with ship_checkpoints(spec, task, rank0=True):
             if spec.launcher == "gloo":
-                rendezvous = Rendezvous("127.0.0.1")
+                rendezvous = Rendezvous("127.0.0.1", spec.secret)
                 rendezvous.init(plan)
                 failure = run_ranks(spec, plan, list(plan.slots), task, env, rendezvous=("127.0.0.1", rendezvous.port))
             else:

@@ -40,7 +40,7 @@ from airflow_provider_horovod.runner.events import (
     UploadFinished,
     UploadStarted,
 )
-from airflow_provider_horovod.runner.plan import TaskFacts
+from airflow_provider_horovod.runner.plan import Plan, TaskFacts
 from airflow_provider_horovod.runner.text import one_line
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ class Channel:
         self._keys = wire.server_keys(secret, wire.ROLE_TASK, ranks=True)
         self._run_id = run_id
         self._limits = limits
-        self._artifacts_task_dir: Path | None = None
+        self._artifacts_task_dir: str | None = None  # the one folder artifacts may be copied from
+        self._resume_due: set[int] = set()  # the host leaders that have not fetched resume_from yet
         self._on_event = on_event
         self._output = output or RankOutput(stream_all=True)
         self._artifact_staging = artifact_staging
@@ -155,9 +156,20 @@ class Channel:
             self.rejected += 1
         self._refusals.note(err)
 
+    def expect_plan(self, plan: Plan) -> None:
+        """The plan is sent: artifacts may be copied only from rank 0's task folder in it, and only
+        if that folder is named as this run's partition 0 makes its own; each host leader may
+        fetch ``resume_from`` once."""
+        root = plan.slots[0]
+        named = os.path.basename(root.task_dir).startswith(names.TASK_DIR_PREFIX % (self._run_id, "p0", root.task_pid))
+        with self._lock:
+            self._artifacts_task_dir = root.task_dir if named else None
+            self._resume_due = {plan.host_leader(name).partition for name, _slots in plan.hosts}
+
     def expect_artifacts_from(self, task_dir: str | Path) -> None:
-        """Rank 0's task folder, from the plan: the only folder the driver will copy artifacts from."""
-        self._artifacts_task_dir = Path(task_dir)
+        """Rank 0's task folder, made by this process (``np < 0``): the only folder copied from."""
+        with self._lock:
+            self._artifacts_task_dir = str(task_dir)
 
     def close(self) -> None:
         """Stop listening and hang up on every client; tasks still running take that as cancel."""
@@ -235,7 +247,7 @@ class Channel:
                     if kind == names.MSG_PUT:
                         self._receive_artifacts(conn)
                     else:
-                        self._send_resume(conn)
+                        self._send_resume(conn, msg)
                 else:
                     self._handle(msg)
         except wire.AuthenticationError as err:
@@ -331,16 +343,22 @@ class Channel:
         self.transport = mode
 
     def _may_copy_from(self, root: Path) -> bool:
-        """Only the ``artifacts`` folder of this run's rank 0 task (the plan's, once there is one)."""
-        task_dir = root.parent
-        if root.name not in (names.ARTIFACTS_DIR, names.OUTBOX_DIR) or not self._run_id:
-            return False
-        if self._artifacts_task_dir is not None:
-            return task_dir == self._artifacts_task_dir
-        return any(task_dir.name.startswith(names.TASK_DIR_PREFIX.split("%d")[0] % (self._run_id, where))
-                   for where in ("p0", "local"))
+        """Only the ``artifacts`` (or ``outbox``) folder of rank 0's task folder, as the plan names it
+        (before the plan: none)."""
+        with self._lock:
+            pinned = self._artifacts_task_dir
+        return pinned is not None and root.name in (names.ARTIFACTS_DIR, names.OUTBOX_DIR) and \
+            str(root.parent) == os.path.normpath(pinned)
 
-    def _send_resume(self, conn: wire.ServerConnection) -> None:
+    def _send_resume(self, conn: wire.ServerConnection, msg: dict[str, Any]) -> None:
+        """``resume_from``, to each host leader of the plan once; anyone else is hung up on."""
+        partition = msg.get("partition")
+        with self._lock:
+            due = partition in self._resume_due
+            self._resume_due.discard(partition)
+        if not due:
+            raise wire.ProtocolError("fetch-resume from partition %r, which is not a host leader of the plan that "
+                                     "has not fetched it yet" % (partition,))
         proofs = self._proof_dir() if self._same_host_copy and self._resume_root is not None else None
         offer_tree(conn, self._resume_root, proofs)
 

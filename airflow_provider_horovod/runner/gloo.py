@@ -1,12 +1,20 @@
-"""Gloo: Horovod's own rendezvous server, bound to one task's address, and the rank processes."""
+"""Gloo: Horovod's own rendezvous server, bound to one task's address, and the rank processes.
+
+Horovod's client sends no credential, but it builds its URL as ``http://<addr>:<port>/<scope>/<key>``
+from ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` as given. The ranks get ``<addr>:<port>/<token>`` there, so every
+request's path starts with ``/<token>:<port>/``: a token derived from the run's secret, which the
+server requires (``path_prefix``) and strips. A process that does not know it is answered 403.
+"""
 
 from __future__ import annotations
 
+import hmac
 import threading
 
 from horovod.runner.common.util.hosts import SlotInfo
 from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
+from airflow_provider_horovod.runner import wire
 from airflow_provider_horovod.runner.plan import Plan
 
 
@@ -20,12 +28,35 @@ class _Handler(RendezvousHandler):
     def translate_path(self, path: str) -> str:
         return "/nonexistent"  # belt and braces: nothing on disk is reachable through this server
 
+    def _admitted(self) -> bool:
+        """Whether the path starts with the run's prefix (then stripped, for Horovod's handler); else 403."""
+        prefix = self.server.path_prefix + "/"
+        if hmac.compare_digest(self.path[: len(prefix)].encode(), prefix.encode()):
+            self.path = self.path[len(prefix) - 1 :]
+            return True
+        self.server.refused += 1
+        self.send_status_code(403)
+        return False
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's names
+        if self._admitted():
+            super().do_GET()
+
+    def do_PUT(self) -> None:  # noqa: N802
+        if self._admitted():
+            super().do_PUT()
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        if self._admitted():
+            super().do_DELETE()
+
 
 class _Server(RendezvousHTTPServer):
     """Answers only the plan's task addresses (the Gloo rendezvous has no authentication of its own)."""
 
     allowed: frozenset[str] = frozenset()
     refused = 0
+    path_prefix = ""
 
     def verify_request(self, request, client_address) -> bool:
         if client_address[0] in self.allowed:
@@ -38,9 +69,10 @@ class Rendezvous:
     """Horovod's ``RendezvousHTTPServer``, bound to ``host`` only, answering only the hosts of the
     plan once ``init`` has it (nobody before), and living only as long as the task."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, secret: bytes) -> None:
         self._httpd = _Server((host, 0), _Handler, 0)
         self.port: int = self._httpd.server_address[1]
+        self._httpd.path_prefix = "/%s:%d" % (wire.rendezvous_token(secret), self.port)
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="hvdrunner-rendezvous", daemon=True)
         self._thread.start()
 

@@ -147,7 +147,8 @@ def run_gloo_ranks(spec: RunSpec, slots: list[Slot], rendezvous: tuple[str, int]
     try:
         for slot in slots:
             rank_env = dict(env)
-            rank_env.update(gloo_env(rendezvous[0], rendezvous[1], slot.iface, spec.gloo_timeout_s))
+            rank_env.update(gloo_env(rendezvous[0], rendezvous[1], slot.iface, spec.gloo_timeout_s,
+                                     wire.rendezvous_token(spec.secret)))
             rank_env[names.ENV_RANK] = str(slot.rank)
             with TaskDir(slot.task_dir).rank_log(slot.rank).open("wb") as out:
                 proc = procs.spawn(WORKER, rank_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -278,14 +279,15 @@ def upload_artifacts(spec: RunSpec, task: TaskDir) -> Failure | None:
     return None
 
 
-def fetch_resume(spec: RunSpec, dest: Path) -> None:
-    """Copy the driver's ``resume_from`` folder to ``dest`` on this host (in the kernel if this host is the driver's)."""
+def fetch_resume(spec: RunSpec, dest: Path, partition: int) -> None:
+    """Copy the driver's ``resume_from`` folder to ``dest`` on this host (in the kernel if this host is
+    the driver's); ``partition``: this host's leader, the only one of its host the driver serves, once."""
     from airflow_provider_horovod.runner.artifacts import take_tree
 
     conn = wire.connect(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), timeout=10)
     try:
         conn.sock.settimeout(60)
-        conn.send({"t": names.MSG_FETCH_RESUME})
+        conn.send({"t": names.MSG_FETCH_RESUME, "partition": partition})
         _mode, files = take_tree(conn, dest)
         conn.send({"ok": True, "files": len(files)})
     finally:

@@ -45,6 +45,22 @@ def orted_argv(words: list[str]) -> list[str]:
     raise ValueError("the rsh agent was asked to run something other than orted: %r" % (words[:3],))
 
 
+HNP_PORT_OPTION = "oob_tcp_dynamic_ipv4_ports"  # mpirun passes it on to every orted; the service takes it off
+
+
+def without_hnp_port(argv: list[str]) -> list[str]:
+    """``orted``'s argv without the HNP's port option: each daemon picks its own port (two on one
+    machine would clash on mpirun's)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in ("-mca", "--mca") and argv[i + 1 : i + 2] == [HNP_PORT_OPTION]:
+            i += 3
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 class OrtedRefused(ValueError):
     """An ``orted`` command line this run's mpirun would not have produced."""
 
@@ -56,8 +72,9 @@ _URI = re.compile(r"^\d+\.\d+;(?P<uris>.+)$")
 _TCP = re.compile(r"^tcp6?://(?P<addrs>[^/]+):(?P<port>\d+)$")
 
 
-def _hnp_addresses(value: str) -> list[list[str]] | None:
-    """The addresses of each URI in an HNP URI (``jobid.vpid;tcp://a,b:port;tcp6://[c]:port``), or None if malformed."""
+def _hnp_addresses(value: str) -> list[tuple[list[str], int]] | None:
+    """The addresses and port of each URI in an HNP URI (``jobid.vpid;tcp://a,b:port;tcp6://[c]:port``),
+    or None if malformed."""
     found = _URI.match(value)
     if not found:
         return None
@@ -67,7 +84,8 @@ def _hnp_addresses(value: str) -> list[list[str]] | None:
         if not tcp:
             return None
         try:
-            uris.append([str(ipaddress.ip_address(addr.strip("[]"))) for addr in tcp.group("addrs").split(",")])
+            uris.append(([str(ipaddress.ip_address(addr.strip("[]"))) for addr in tcp.group("addrs").split(",")],
+                         int(tcp.group("port"))))
         except ValueError:
             return None
     return uris
@@ -106,9 +124,9 @@ def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | No
             # the first URI is partition 0's address; further ones (IPv6 on the same interface)
             # may only name a loopback or link-local address
             uris = _hnp_addresses(value)
-            return bool(uris) and uris[0] == [root_address] and all(
+            return bool(uris) and uris[0][0] == [root_address] and uris[0][1] == (root.hnp_port or uris[0][1]) and all(
                 a == root_address or ipaddress.ip_address(a).is_loopback or ipaddress.ip_address(a).is_link_local
-                for uri in uris[1:] for a in uri)
+                for addrs, _port in uris[1:] for a in addrs)
         raise OrtedRefused("orted option -mca %s is not one this run's mpirun passes" % key)
 
     if argv[:1] != ["orted"]:
@@ -205,6 +223,7 @@ class ExecService:
                 if self.launches:
                     raise OrtedRefused("asked to start a second orted (one per host)")
                 check_orted(argv, self._plan, self._env, self._vpid)
+                argv = without_hnp_port(argv)
                 # orted's own output goes to a file next to the task, never to a pipe nobody may read
                 with open(self._log_path, "ab") as log_file:
                     proc = procs.spawn(procs.reaped(argv, self._watch_pid), self._env, stdout=log_file,
@@ -291,6 +310,8 @@ def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[s
     if networks:
         include = ",".join(networks)
         argv += ["-mca", "btl_tcp_if_include", include, "-mca", "oob_tcp_if_include", include]
+    if plan is not None and plan.slots[0].hnp_port:  # the port the orteds' HNP must be at (check_orted)
+        argv += ["-mca", HNP_PORT_OPTION, str(plan.slots[0].hnp_port)]
     return argv + WORKER
 
 

@@ -31,6 +31,7 @@ class TaskFacts:
     gpus: tuple[str, ...] = ()
     service_port: int = 0  # exec service (mpirun) of this task
     rendezvous_port: int = 0  # Horovod's rendezvous server (gloo, partition 0 only)
+    hnp_port: int = 0  # the port mpirun's out-of-band channel listens on (mpirun, partition 0 only)
     iface: str = ""  # the name of the interface holding ``address`` on this host (Gloo uses it)
     network: str = ""  # that interface's network in CIDR notation, e.g. ``10.0.3.0/24`` (mpirun uses it)
     missing: tuple[str, ...] = ()  # programs the launcher needs that are not on PATH here
@@ -67,6 +68,7 @@ class Slot:
     network: str = ""  # CIDR of the network ``address`` is on
     service_port: int = 0  # the exec service of this slot's task (mpirun)
     rendezvous_port: int = 0  # Horovod's rendezvous server in this slot's task (Gloo, rank 0)
+    hnp_port: int = 0  # mpirun's out-of-band port in this slot's task (mpirun, rank 0); the orteds' HNP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +148,7 @@ def make_plan(facts: list[TaskFacts]) -> Plan:
                 network=f.network,
                 service_port=f.service_port,
                 rendezvous_port=f.rendezvous_port,
+                hnp_port=f.hnp_port,
             )
         )
     return Plan(tuple(slots))
@@ -185,10 +188,12 @@ def gpu_env(slot: Slot) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus)} if slot.gpus else {}
 
 
-def gloo_env(rendezvous_addr: str, rendezvous_port: int, iface: str, timeout_s: int) -> dict[str, str]:
-    """What every Gloo rank needs to find Horovod's rendezvous server."""
+def gloo_env(rendezvous_addr: str, rendezvous_port: int, iface: str, timeout_s: int, token: str) -> dict[str, str]:
+    """What every Gloo rank needs to find Horovod's rendezvous server. Horovod's client builds
+    ``http://<ADDR>:<PORT>/<scope>/<key>``, so ``<addr>:<port>/<token>`` as ADDR puts the run's token
+    first in every request's path (the server requires it, ``gloo.py``)."""
     return {
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_addr,
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "%s:%d/%s" % (rendezvous_addr, rendezvous_port, token),
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
         "HOROVOD_CONTROLLER": "gloo",
         "HOROVOD_CPU_OPERATIONS": "gloo",

@@ -266,7 +266,9 @@ class HorovodRunner:
         spec = dataclasses.replace(spec, channel=channel.start("127.0.0.1"))
         self.last_run.coordination = "local"
         sup = Supervisor(0, coordinated=False, planner=make_plan, deadlines=self.deadlines, now=time.monotonic())
-        _in_thread("hvdrunner-local", lambda: run_local(spec, -self.np), events)
+        task = names.TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "local", os.getpid())))
+        channel.expect_artifacts_from(task.path)  # the one folder the driver copies artifacts from
+        _in_thread("hvdrunner-local", lambda: run_local(spec, -self.np, task), events)
 
         def act(action: Action) -> None:
             if isinstance(action, (Stop, CutOff)):
@@ -314,7 +316,7 @@ class HorovodRunner:
         def act(action: Action) -> None:
             if isinstance(action, SendPlan):
                 channel.record({"kind": "plan", "slots": slot_summary(action.plan)})
-                channel.expect_artifacts_from(action.plan.slots[0].task_dir)
+                channel.expect_plan(action.plan)
                 channel.send_tasks({"t": names.MSG_PLAN, "plan": action.plan.to_json()})
             elif isinstance(action, SendStart):
                 channel.send_tasks({"t": names.MSG_START})

@@ -14,11 +14,13 @@ Pure functions, no Airflow: the view (``plugins/``) reads ``timeline.json`` from
 from __future__ import annotations
 
 import bisect
+import codecs
 import dataclasses
 import html
+import json
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, BinaryIO
 
 WAITING_FOR_RANKS = "waiting for ranks"
 
@@ -43,7 +45,7 @@ _COLOURS = (
 _OTHER_COLOUR = "#7fb8d4"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Span:
     """One operation on one tensor, in microseconds from the timeline's start."""
 
@@ -130,6 +132,76 @@ class Timeline:
         return out
 
 
+READ_CHUNK = 1 << 20
+MAX_EVENT_CHARS = 1 << 20  # one event of Horovod's is a few hundred bytes
+_DECODER = json.JSONDecoder()
+
+
+class _Buffer:
+    """Text of a UTF-8 file, read a chunk at a time, with what is already decoded dropped."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f, self._utf8 = f, codecs.getincrementaldecoder("utf-8")()
+        self.text, self.pos, self.eof = "", 0, False
+
+    def more(self) -> None:
+        """Read the next chunk; ``ValueError`` at the end of the file or past ``MAX_EVENT_CHARS`` pending."""
+        if self.eof or len(self.text) - self.pos > MAX_EVENT_CHARS:
+            raise ValueError("the timeline ends inside an event, or holds an event over %d characters" % MAX_EVENT_CHARS)
+        data = self._f.read(READ_CHUNK)
+        self.eof = not data
+        self.text = self.text[self.pos:] + self._utf8.decode(data, final=self.eof)
+        self.pos = 0
+
+    def next_char(self) -> str:
+        """The next character that is not white space (without taking it); ``ValueError`` at the end."""
+        while True:
+            while self.pos < len(self.text) and self.text[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.text):
+                return self.text[self.pos]
+            self.more()
+
+    def value(self) -> Any:
+        """The JSON value that starts here, read whole (a number cut by a chunk's end is not taken)."""
+        while True:
+            try:
+                found, end = _DECODER.raw_decode(self.text, self.pos)
+            except json.JSONDecodeError:
+                if self.eof:
+                    raise
+                self.more()
+                continue
+            if end == len(self.text) and not self.eof:
+                self.more()
+                continue
+            self.pos = end
+            return found
+
+
+def iter_events(f: BinaryIO) -> Iterator[Any]:
+    """The elements of the JSON array in the file ``f``, one at a time: in memory at once are a chunk
+    and one event, never the whole file. Not an array: nothing. Not JSON, or cut: ``ValueError``."""
+    buf = _Buffer(f)
+    try:
+        if buf.next_char() != "[":
+            return
+    except ValueError:
+        return  # an empty file
+    buf.pos += 1
+    if buf.next_char() == "]":
+        return
+    while True:
+        buf.next_char()
+        yield buf.value()
+        after = buf.next_char()
+        if after == "]":
+            return
+        if after != ",":
+            raise ValueError("the timeline's events are not separated by commas")
+        buf.pos += 1
+
+
 def parse(events: Iterable[dict[str, Any]]) -> Timeline:
     """A timeline from Horovod's Chrome-trace events (as :func:`load_timeline` returns them).
 
@@ -139,7 +211,8 @@ def parse(events: Iterable[dict[str, Any]]) -> Timeline:
     spans: list[Span] = []
     ready: list[tuple[int, int, float]] = []
     stacks: dict[int, list[tuple[str, float]]] = {}
-    stamps: list[float] = []
+    first, last = math.inf, -math.inf  # the earliest and latest timestamps (not a list of all of them)
+    seen_names: dict[str, str] = {}  # one string per operation name, however many spans carry it
     count = 0
     for e in events:
         if not isinstance(e, dict):
@@ -153,9 +226,10 @@ def parse(events: Iterable[dict[str, Any]]) -> Timeline:
         ts = _float(e.get("ts"))
         if ts is None:
             continue
-        stamps.append(ts)
+        first, last = min(first, ts), max(last, ts)
         if ph == "B":
-            stacks.setdefault(pid, []).append((str(e.get("name", "?")), ts))
+            name = str(e.get("name", "?"))
+            stacks.setdefault(pid, []).append((seen_names.setdefault(name, name), ts))
         elif ph == "E":
             if stacks.get(pid):
                 name, start = stacks[pid].pop()
@@ -166,13 +240,13 @@ def parse(events: Iterable[dict[str, Any]]) -> Timeline:
             if name.isdigit() and duration == 0:  # "rank N is ready" inside a negotiation
                 ready.append((pid, int(name), ts))
             else:
-                spans.append(Span(pid, name, ts, ts + duration, len(stacks.get(pid, ()))))
-                stamps.append(ts + duration)
-    end = max(stamps) if stamps else 0.0
+                spans.append(Span(pid, seen_names.setdefault(name, name), ts, ts + duration, len(stacks.get(pid, ()))))
+                last = max(last, ts + duration)
+    end = last if last > -math.inf else 0.0
     for pid, stack in stacks.items():
         for depth, (name, start) in enumerate(stack):
             spans.append(Span(pid, name, start, end, depth, open=True))
-    start = min(stamps) if stamps else 0.0
+    start = first if first < math.inf else 0.0
     for pid in {s.lane for s in spans} - set(lanes):
         lanes[pid] = "tensor %d" % pid
     return Timeline(lanes=lanes, spans=spans, ready=ready, start=start, end=end, events=count)

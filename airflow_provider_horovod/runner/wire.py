@@ -80,6 +80,11 @@ def role_key(secret: bytes, role: str) -> bytes:
     return hmac.new(secret, b"hvdrunner role:" + role.encode(), hashlib.sha256).digest()
 
 
+def rendezvous_token(secret: bytes) -> str:
+    """What a Gloo rank's requests to Horovod's rendezvous carry in their path (``gloo.py``)."""
+    return hmac.new(secret, b"hvdrunner gloo rendezvous", hashlib.sha256).hexdigest()[:32]
+
+
 def rank_role(rank: int) -> str:
     """The role rank ``rank`` connects as: its key proves which rank it is, so a rank speaks only for itself."""
     return "%s.%d" % (ROLE_RANK, rank)

@@ -14,6 +14,7 @@ from airflow_provider_horovod.runner import names, wire
 from airflow_provider_horovod.runner.artifacts import Limits, make_offer, send_tree
 from airflow_provider_horovod.runner.channel import Channel
 from airflow_provider_horovod.runner.events import UploadFinished, UploadStarted
+from airflow_provider_horovod.runner.plan import TaskFacts, make_plan
 from tests.security.attacker import SECRET, TASK
 
 RUN_ID = "0123456789ab"
@@ -26,6 +27,12 @@ def _task_dir(tmp_path: Path, run_id: str = RUN_ID) -> Path:
     task.chmod(0o700)
     (task / names.ARTIFACTS_DIR / "checkpoints" / "epoch-1.pt").write_bytes(b"weights")
     return task
+
+
+def _expect(channel: Channel, task: Path) -> None:
+    """The driver sent a plan whose rank 0 runs in ``task`` (one host, partition 0 its leader)."""
+    facts = TaskFacts(partition=0, executor="e", address="127.0.0.1", pid=os.getpid(), task_dir=str(task), python="3.11")
+    channel.expect_plan(make_plan([facts]))
 
 
 @pytest.fixture
@@ -70,6 +77,7 @@ def _staged(tmp_path: Path) -> dict[str, bytes]:
 
 def test_a_genuine_offer_from_rank_0s_task_folder_is_copied(tmp_path, channel):
     task = _task_dir(tmp_path)
+    _expect(channel, task)
     receipt = _put(channel, make_offer(task / names.ARTIFACTS_DIR, task))
     assert receipt["ok"] and channel.transport == "copy"
     assert _staged(tmp_path) == {"checkpoints/epoch-1.pt": b"weights"}
@@ -94,6 +102,7 @@ def test_an_offer_proved_by_a_public_file_copies_nothing(tmp_path, channel):
 def test_a_forged_or_replayed_offer_falls_back_to_the_stream(tmp_path, channel, forgery):
     task = _task_dir(tmp_path, run_id="ba9876543210" if forgery == "another run" else RUN_ID)
     (task / "secret.txt").write_text("not an artifact")
+    _expect(channel, task)
     root = task if forgery == "not the artifacts folder" else task / names.ARTIFACTS_DIR
     offer = make_offer(root, tmp_path if forgery == "proof elsewhere" else task)
     if forgery == "shared folder":
@@ -118,6 +127,7 @@ def test_links_in_rank_0s_folder_are_never_followed(tmp_path, channel, transport
     (artifacts / "checkpoints" / "link.pt").symlink_to(outside / "passwords.txt")
     (artifacts / "linked-dir").symlink_to(outside / "dir")
     os.mkfifo(artifacts / "pipe")  # would block a reader that opens it
+    _expect(channel, task)
     offer = make_offer(artifacts, task) if transport == "copy" else None
     assert _put(channel, offer, stream_root=artifacts)["ok"]
     assert channel.transport == transport
@@ -130,6 +140,7 @@ def test_files_of_another_user_are_not_copied(tmp_path, channel):
     theirs = task / names.ARTIFACTS_DIR / "theirs.bin"
     theirs.write_bytes(b"someone else's")
     os.chown(theirs, 65534, 65534)
+    _expect(channel, task)
     assert _put(channel, make_offer(task / names.ARTIFACTS_DIR, task))["ok"]
     assert channel.transport == "copy" and _staged(tmp_path) == {"checkpoints/epoch-1.pt": b"weights"}
 
@@ -223,9 +234,10 @@ def test_a_task_on_the_drivers_host_copies_resume_from_itself(tmp_path, monkeypa
     (tmp_path / "resume" / "link.pt").symlink_to(tmp_path / "resume" / "epoch-3.pt")
     channel = Channel(SECRET, resume_root=tmp_path / "resume")
     channel.start("127.0.0.1")
+    _expect(channel, tmp_path)
     try:
         conn = wire.connect(channel.address, TASK)
-        conn.send({"t": "fetch-resume"})
+        conn.send({"t": "fetch-resume", "partition": 0})
         mode, files = take_tree(conn, tmp_path / "task" / "resume")
         conn.send({"ok": True, "files": len(files)})
         conn.close()

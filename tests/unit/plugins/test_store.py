@@ -33,7 +33,7 @@ def test_tries_are_read_from_the_layout_the_hook_writes(root):
     assert [(t.number, t.status, t.committed) for t in tries] == [
         (1, "failed", True), (2, "success", True), (3, "running or never committed", False)]
     assert [(f.path, f.size) for f in tries[0].files()] == [("checkpoints/model.pt", 10)]
-    assert tries[1].timeline_events() == []
+    assert tries[1].timeline().events == 0
 
 
 def test_a_mapped_task_instance_has_its_own_folder(root):

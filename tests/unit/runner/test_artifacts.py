@@ -14,10 +14,11 @@ from airflow_provider_horovod.runner.artifacts import (
     in_progress,
     load_timeline,
     make_offer,
+    open_dir,
+    open_offer,
     read_marker,
     receive_tree,
     summarize,
-    verify_offer,
 )
 from airflow_provider_horovod.runner.timeline import parse
 
@@ -86,13 +87,15 @@ def test_offer_is_accepted_only_where_its_token_is_read_back(tmp_path):
     root = tmp_path / "artifacts"
     root.mkdir()
     offer = make_offer(root, tmp_path)
-    assert verify_offer(offer) == root
+    fd = open_offer(offer)
+    assert os.path.samestat(os.fstat(fd), root.stat())  # a descriptor of the folder offered
+    os.close(fd)
     assert Path(offer["proof"]).stat().st_mode & 0o777 == 0o600  # only this user can prove it
-    assert verify_offer({**offer, "token": "0" * 64}) is None  # someone who does not know the token
-    assert verify_offer({**offer, "proof": str(tmp_path / "elsewhere")}) is None  # another host
-    assert verify_offer({**offer, "root": "artifacts"}) is None  # only absolute paths
-    assert verify_offer({**offer, "token": ""}) is None
-    assert verify_offer(None) is None
+    assert open_offer({**offer, "token": "0" * 64}) is None  # someone who does not know the token
+    assert open_offer({**offer, "proof": str(tmp_path / "elsewhere")}) is None  # another host
+    assert open_offer({**offer, "root": "artifacts"}) is None  # only absolute paths
+    assert open_offer({**offer, "token": ""}) is None
+    assert open_offer(None) is None
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -105,7 +108,7 @@ def test_copy_tree_copies_finished_files_only(tmp_path):
     (src / "checkpoints" / "epoch-1.pt").write_bytes(os.urandom(3 << 20))
     (src / "checkpoints" / "epoch-2.pt.tmp").write_bytes(b"half")
     (src / "timeline.json").write_text("[]")
-    received = copy_tree(src, tmp_path / "dest")
+    received = copy_tree(open_dir(src), tmp_path / "dest")
     assert _tree(tmp_path / "dest") == {k: v for k, v in _tree(src).items() if not k.endswith(".tmp")}
     assert sorted((r["path"], r["size"]) for r in received) == [("checkpoints/epoch-1.pt", 3 << 20), ("timeline.json", 2)]
 
@@ -119,7 +122,7 @@ def test_copy_falls_back_when_the_kernel_refuses(tmp_path, monkeypatch, refused)
     monkeypatch.setattr(os, "sendfile", refuse, raising=False)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "model.bin").write_bytes(os.urandom(5 << 20))
-    copy_tree(tmp_path / "src", tmp_path / "dest")
+    copy_tree(open_dir(tmp_path / "src"), tmp_path / "dest")
     assert _tree(tmp_path / "dest") == _tree(tmp_path / "src")
 
 
@@ -129,7 +132,7 @@ def test_copy_stopped_midway_leaves_no_file_that_looks_whole(tmp_path, monkeypat
     (tmp_path / "src" / "model.bin").write_bytes(os.urandom(4 << 20))
     progress = []
     with pytest.raises(ConnectionAbortedError):
-        copy_tree(tmp_path / "src", tmp_path / "dest", cancelled=lambda: len(progress) >= 2, progress=progress.append)
+        copy_tree(open_dir(tmp_path / "src"), tmp_path / "dest", cancelled=lambda: len(progress) >= 2, progress=progress.append)
     assert progress == [1 << 20, 2 << 20]
     assert [p.name for p in (tmp_path / "dest").iterdir()] == ["model.bin.partial"]
 

@@ -45,8 +45,8 @@ def test_rank_env_under_mpirun_leaves_the_ranks_to_mpi_as_horovodrun_does():
 
 
 def test_gloo_env_points_at_the_rendezvous_server():
-    env = gloo_env("10.0.0.1", 4242, "eth0", 60)
-    assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.1"
+    env = gloo_env("10.0.0.1", 4242, "eth0", 60, "t0ken")
+    assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.1:4242/t0ken"  # Horovod's URL: http://ADDR:PORT/<scope>/...
     assert env["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "4242"
     assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo"
     assert env["HOROVOD_GLOO_IFACE"] == "eth0"

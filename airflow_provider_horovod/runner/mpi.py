@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -293,27 +292,3 @@ def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[s
         argv += ["-mca", "btl_tcp_if_include", include, "-mca", "oob_tcp_if_include", include]
     return argv + WORKER
 
-
-def interface_for(address: str) -> str:
-    """The network interface that holds ``address`` (``lo`` for loopback)."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        for a in addrs:
-            if a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address:
-                return name
-    return ""
-
-
-def network_for(address: str) -> str:
-    """The network of the interface that holds ``address``, in CIDR notation (``127.0.0.0/8`` for
-    loopback); empty when no interface holds it."""
-    import ipaddress
-
-    import psutil
-
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address and a.netmask:
-                return str(ipaddress.ip_interface("%s/%s" % (address, a.netmask)).network)
-    return ""

@@ -37,6 +37,7 @@ from airflow_provider_horovod.runner.host import (
 )
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.network import LOOPBACK, Endpoint, endpoint_of, task_endpoint
+from airflow_provider_horovod.runner.options import Launcher
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan
 from airflow_provider_horovod.runner.shipper import ship_checkpoints
 
@@ -168,12 +169,12 @@ class TaskServices:
         from airflow_provider_horovod.runner.mpi import ExecService
 
         self.exec_service = self.rendezvous = None
-        if spec.launcher == "mpirun":
+        if spec.launcher == Launcher.MPIRUN:
             def on_launch(_argv: list[str]) -> None:
                 client.send({"t": names.MSG_EVENT, "kind": "orted-launched", "partition": partition, "executor": executor})
 
             self.exec_service = ExecService(address, spec.secret, env, os.getpid(), on_launch, log_path=task.orted_log)
-        if spec.launcher == "gloo" and partition == 0:
+        if spec.launcher == Launcher.GLOO and partition == 0:
             self.rendezvous = Rendezvous(address)
 
     def close(self) -> None:
@@ -238,7 +239,7 @@ def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[s
     from airflow_provider_horovod.runner.mpi import mpirun_argv
 
     slot = plan.for_partition(partition)
-    if spec.launcher == "gloo":
+    if spec.launcher == Launcher.GLOO:
         root = plan.slots[0]
         return run_ranks(spec, plan, [slot], task, env, rendezvous=(root.address, root.rendezvous_port))
     if partition != 0:
@@ -330,7 +331,7 @@ def run_local(spec: RunSpec, np: int) -> bytes:
         hand_over_rank_keys(spec, list(plan.slots))
         env = base_env(spec, task)
         with ship_checkpoints(spec, task, rank0=True):
-            if spec.launcher == "gloo":
+            if spec.launcher == Launcher.GLOO:
                 rendezvous = Rendezvous(LOOPBACK)
                 rendezvous.init(plan)
                 failure = run_ranks(spec, plan, list(plan.slots), task, env, rendezvous=(LOOPBACK, rendezvous.port))

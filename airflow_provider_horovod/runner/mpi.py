@@ -25,9 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from airflow_provider_horovod.runner import procs, wire
-from airflow_provider_horovod.runner.host import WORKER
+from airflow_provider_horovod.runner.host import OPEN_MPI_PROGRAMS, WORKER
 from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, new_temp_dir
 from airflow_provider_horovod.runner.plan import Plan
+
+MPIRUN, ORTED = OPEN_MPI_PROGRAMS
 
 
 def orted_argv(words: list[str]) -> list[str]:
@@ -39,8 +41,8 @@ def orted_argv(words: list[str]) -> list[str]:
     """
     tokens = shlex.split(" ".join(words))
     for i, token in enumerate(tokens):
-        if os.path.basename(token) == "orted":
-            return ["orted", *tokens[i + 1 :]]
+        if os.path.basename(token) == ORTED:
+            return [ORTED, *tokens[i + 1 :]]
     raise ValueError("the rsh agent was asked to run something other than orted: %r" % (words[:3],))
 
 
@@ -110,7 +112,7 @@ def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | No
                 for uri in uris[1:] for a in uri)
         raise OrtedRefused("orted option -mca %s is not one this run's mpirun passes" % key)
 
-    if argv[:1] != ["orted"]:
+    if argv[:1] != [ORTED]:
         raise OrtedRefused("not an orted command")
     words = argv[1:]
     i = 0
@@ -277,7 +279,7 @@ def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[s
     Open MPI's TCP traffic (``btl_tcp``: the ranks' messages; ``oob_tcp``: mpirun <-> orted) is
     kept to ``networks`` (CIDR), which every host matches with whatever its interface is called.
     """
-    argv = ["mpirun"]
+    argv = [MPIRUN]
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
     if plan is None:

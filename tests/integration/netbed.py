@@ -32,6 +32,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -208,8 +209,10 @@ class NetBed:
                 _ip("-n", host.netns, "link", "set", "lo", "up")
                 if host.name != "driver":
                     host.keeper_pid = self._keep_private_tmp(host)
-            if self.loopback_names:
-                self.jvm_hosts_file.write_text("".join("%s %s\n" % (h.address, h.hostname) for h in self.workers))
+            if self.loopback_names:  # the driver host keeps the machine's name
+                names = [("127.0.0.1", "localhost"), (self.driver.address, socket.gethostname())]
+                names += [(h.address, h.hostname) for h in self.workers]
+                self.jvm_hosts_file.write_text("".join("%s %s\n" % pair for pair in names))
         except BaseException:
             self.down()
             raise

@@ -4,8 +4,7 @@ A task offers the other hosts the address its own connection to the driver leave
 kernel's route to the driver picks it), the interface holding that address (Gloo's
 ``HOROVOD_GLOO_IFACE``) and that interface's network in CIDR notation (Open MPI's
 ``btl_tcp_if_include``/``oob_tcp_if_include``). Nothing is read from the host's name: on Debian a
-host's own name resolves to ``127.0.1.1`` (``/etc/hosts``), and an address found that way sends
-every peer to its own loopback.
+host's own name resolves to ``127.0.1.1`` (``/etc/hosts``), an address no peer can reach.
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
 """The engine across hosts whose own names resolve to loopback, as on Debian (``127.0.1.1 <hostname>``
 in ``/etc/hosts``): the bed of ``test_hosts.py`` with ``NetBed(loopback_names=True)``, Spark's
-workers started by host name. A rank that offered its peers an address found from its host name
-would send them to their own loopback (Gloo: ``connect [127.0.0.1]:...: Connection refused``);
-both launchers must offer the address each task reaches the driver from.
+workers started by host name. mpirun runs here. Gloo does not yet: although every task reports
+its real address and interface (the plan has them, ``HOROVOD_GLOO_IFACE`` names the NIC), a Gloo
+rank advertises the address its host name resolves to and its peer dies with ``gloo::IoException
+... connect [127.0.1.1]:...: Connection refused``. Horovod 0.28's ``GlooContext::InitializeForProcessSet``
+(gloo_context.cc) makes its device from its own, never set ``gloo_iface_`` instead of the global
+context's, so Gloo falls back to ``gethostname()``. The Gloo case is a strict xfail until the
+Horovod build patches that (issue 19), so it fails the day it passes.
 """
 
 from __future__ import annotations
@@ -47,7 +51,11 @@ def test_each_worker_hosts_own_name_resolves_to_loopback(netbed):
         assert resolved.stdout.split()[:1] == ["127.0.1.1"], resolved.stdout
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+GLOO_ADVERTISES_THE_HOST_NAME = pytest.mark.xfail(
+    strict=True, reason="issue 19: a Gloo rank advertises its host name's address (127.0.1.1), not HOROVOD_GLOO_IFACE's")
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", pytest.param("gloo", marks=GLOO_ADVERTISES_THE_HOST_NAME)])
 def test_ranks_on_hosts_whose_names_resolve_to_loopback_reach_each_other(netbed, bed_runs, launcher):
     got = run_of(bed_runs, "%s-2" % launcher)
     assert "error_type" not in got, got.get("message")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.exceptions import ArtifactError
+from airflow_provider_horovod.runner.events import RunStatus
 from airflow_provider_horovod.runner.versions import VERSION_MARKER, Version
 
 MARKER = "_ARTIFACTS.json"
@@ -44,11 +45,11 @@ STATE_KEY = "horovod_checkpoint"  # the task_state_store key of the newest commi
 
 
 class TryStatus(str, enum.Enum):
-    """How a try ended, as its final marker says."""
+    """How a try ended, as its final marker says: the engine's end states (``RunStatus``)."""
 
-    SUCCESS = "success"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
+    SUCCESS = RunStatus.SUCCESS.value
+    FAILED = RunStatus.FAILED.value
+    CANCELLED = RunStatus.CANCELLED.value
 
 
 # -- the layout ---------------------------------------------------------------------------------

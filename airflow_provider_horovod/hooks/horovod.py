@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
     from airflow.sdk import Connection
 
+    from airflow_provider_horovod.runner.events import RunReport
+
 EMBEDDED_MASTER = "local[2]"
 MASTER_PATTERN = re.compile(r"^(local(\[(\d+|\*)(,\s*\d+)?\])?|local-cluster\[[\d,\s]+\]|yarn|spark://.+|k8s://.+)$")
 # The embedded Spark lives inside the task: no UI for other local users to kill its job from, and
@@ -115,7 +117,7 @@ class HorovodRunnerHook(BaseHook):
         self._owns_session = False
         self._runner: Any = None
         self._target: SparkTarget | None = None
-        self.last_run: dict[str, Any] = {}
+        self.last_run: RunReport | None = None  # the engine's typed report of the latest run
 
     # -- connection -> SparkSession ---------------------------------------------------------------
     def resolve_target(self) -> SparkTarget:
@@ -264,25 +266,21 @@ class HorovodRunnerHook(BaseHook):
         np: int,
         op_args: list[Any] | tuple[Any, ...] = (),
         op_kwargs: dict[str, Any] | None = None,
-        on_runner: Callable[[Any], None] | None = None,
         **runner_kwargs: Any,
-    ) -> tuple[Any, dict[str, Any]]:
-        """Run ``training_callable(*op_args, **op_kwargs)`` on ``np`` ranks; return (result, last_run).
+    ) -> tuple[Any, RunReport]:
+        """Run ``training_callable(*op_args, **op_kwargs)`` on ``np`` ranks; return (result, the engine's report).
 
-        :param on_runner: called with the engine before it starts, so ``cancel()`` can reach it.
         :param runner_kwargs: passed on to ``HorovodRunner`` (launcher, timeline, artifact_dir, ...).
         """
         from airflow_provider_horovod import HorovodRunner
 
         runner = HorovodRunner(np, spark=self.get_conn() if np > 0 else None, **runner_kwargs)
         self._runner = runner
-        if on_runner is not None:
-            on_runner(runner)
         try:
             result = runner.run(training_callable, *op_args, **(op_kwargs or {}))
         finally:
             self._runner = None
-            self.last_run = dict(runner.last_run)
+            self.last_run = runner.last_run
         return result, self.last_run
 
     @staticmethod

@@ -17,7 +17,8 @@ from airflow_provider_horovod import store
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.runner.artifacts import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
-from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, check_options
+from airflow_provider_horovod.runner.events import Failure, RunReport, RunStatus
+from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, Launcher, check_options
 from airflow_provider_horovod.runner.payload import check_arguments
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
 from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
@@ -110,7 +111,7 @@ class HorovodRunnerOperator(BaseOperator):
         op_args: Sequence[Any] | None = None,
         op_kwargs: dict[str, Any] | None = None,
         spark_conn_id: str = HorovodRunnerHook.default_conn_name,
-        launcher: str = "mpirun",
+        launcher: str = Launcher.MPIRUN.value,
         driver_log_verbosity: str = "all",
         timeline: bool = False,
         artifact_root: str | None = None,
@@ -165,11 +166,12 @@ class HorovodRunnerOperator(BaseOperator):
         source, resume_from = self._resume_from(folder, context)
         self._push_spark_ui(context, np)
         with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local:
-            result, last_run, error = self._train(np, local, resume_from, self._version_sink(folder, context))
-            xcom = self._store(folder, local, result, last_run, context["ti"].try_number, error, source)
+            result, report, error = self._train(np, local, resume_from, self._version_sink(folder, context))
+            status = try_status(report, error)
+            xcom = self._store(folder, local, result, report, status, context["ti"].try_number, error, source)
         self._record_final_checkpoint(folder, context)
         self._push_metadata(context, xcom)
-        self._log_summary(xcom, last_run, source, error)
+        self._log_summary(xcom, report, status, source)
         if error is not None:
             raise error
         self._emit_asset_events(context, xcom)
@@ -243,11 +245,11 @@ class HorovodRunnerOperator(BaseOperator):
             SparkUILink().persist(context, self.hook.history_server_url(self.hook.get_conn()))
 
     def _train(self, np: int, local_dir: str, resume_from: str | None,
-               on_checkpoint: Callable[[Any, Any], None]) -> tuple[Any, dict[str, Any], BaseException | None]:
+               on_checkpoint: Callable[[Any, Any], None]) -> tuple[Any, RunReport, BaseException | None]:
         from airflow_provider_horovod import ArtifactError, HorovodRunError
 
         try:
-            result, last_run = self.hook.run(
+            result, report = self.hook.run(
                 self.training_callable, np=np, op_args=list(self.op_args), op_kwargs=dict(self.op_kwargs),
                 launcher=self.launcher, driver_log_verbosity=self.driver_log_verbosity, env=dict(self.env),
                 timeline=self.timeline, artifact_dir=local_dir, resume_from=resume_from,
@@ -255,18 +257,18 @@ class HorovodRunnerOperator(BaseOperator):
                 max_artifact_files=self.max_artifact_files, keep_checkpoints=self.keep_checkpoints,
                 on_checkpoint=on_checkpoint, dataset=self.dataset_callable or self.dataset,
             )
-            return result, last_run, None
+            return result, report, None
         except (HorovodRunError, ArtifactError) as err:  # store what the failed try left, then re-raise
-            return None, dict(self.hook.last_run), err
+            return None, self.hook.last_run, err
         except BaseException as err:  # execution_timeout and the like: the engine cancelled the run cleanly
-            if dict(self.hook.last_run).get("status") != "cancelled":
+            if self.hook.last_run is None or self.hook.last_run.status != RunStatus.CANCELLED:
                 raise  # it came before any rank started: nothing to store
-            return None, dict(self.hook.last_run), err
+            return None, self.hook.last_run, err
         finally:
             if resume_from:
                 shutil.rmtree(resume_from, ignore_errors=True)
 
-    def _store(self, folder: ObjectStoragePath, local: str, result: Any, last_run: dict[str, Any],
+    def _store(self, folder: ObjectStoragePath, local: str, result: Any, report: RunReport, status: store.TryStatus,
                try_number: int, error: BaseException | None, resumed_from: store.Checkpoint | None) -> dict[str, Any]:
         import cloudpickle
 
@@ -279,29 +281,28 @@ class HorovodRunnerOperator(BaseOperator):
                 extra_files[store.RESULT_FILE] = cloudpickle.dumps(result)
                 xcom_result = {"artifact_uri": str(folder / store.RESULT_FILE), "type": _type_name(result),
                                "format": "cloudpickle"}
-        status = "success" if error is None else ("cancelled" if last_run.get("status") == "cancelled" else "failed")
         marker = {
-            "status": status, "try_number": try_number, "np": last_run.get("np"), "run_id": last_run.get("run_id"),
-            "launcher": self.launcher, "duration_s": last_run.get("duration_s"),
+            "status": status.value, "try_number": try_number, "np": report.np, "run_id": report.run_id,
+            "launcher": Launcher(self.launcher).value, "duration_s": report.duration_s,
             "resumed_from": str(resumed_from.path) if resumed_from is not None else None,
             "resumed_from_try": resumed_from.try_number if resumed_from is not None else None,
             "resumed_from_step": resumed_from.step if resumed_from is not None else None,
-            "error": _failure(error, last_run) if error is not None else None,
+            "error": failure_record(error, report) if error is not None else None,
         }
         committed = store.store_try(local, folder, marker, extra_files=extra_files)
         newest = store.newest_checkpoint(folder)
         timeline_uri = str(folder / store.TIMELINE) if store.TIMELINE in committed.stored_files else None
-        self.log.info("Stored %d artifact files in %s (%s)", len(committed.stored_files), folder, status)
+        self.log.info("Stored %d artifact files in %s (%s)", len(committed.stored_files), folder, status.value)
         return {
             "result": xcom_result,
             "artifacts_uri": str(folder),
             "checkpoint_uri": str(newest.path) if newest is not None else None,
             "timeline_uri": timeline_uri,
-            "spark_ui_url": last_run.get("spark_ui_url"),
-            "np": last_run.get("np", validate_np(self.np)),
-            "launcher": self.launcher,
+            "spark_ui_url": report.spark_ui_url,
+            "np": report.np,
+            "launcher": Launcher(self.launcher).value,
             "try_number": try_number,
-            "duration_s": last_run.get("duration_s"),
+            "duration_s": report.duration_s,
         }
 
     def _push_metadata(self, context: Context, xcom: dict[str, Any]) -> None:
@@ -309,17 +310,17 @@ class HorovodRunnerOperator(BaseOperator):
         for name in METADATA:
             ti.xcom_push(key=METADATA_XCOM_PREFIX + name, value=xcom[name])
 
-    def _log_summary(self, xcom: dict[str, Any], last_run: dict[str, Any], resumed_from: Any, error: BaseException | None) -> None:
+    def _log_summary(self, xcom: dict[str, Any], report: RunReport, status: store.TryStatus, resumed_from: Any) -> None:
         duration = xcom["duration_s"]
         self.log.info(
             "Horovod summary: %s; %s ranks with %s in %s s; resumed from %s; artifacts in %s (checkpoint: %s, timeline: %s)",
-            "succeeded" if error is None else "cancelled" if last_run.get("status") == "cancelled" else "failed",
+            "succeeded" if status == store.TryStatus.SUCCESS else status.value,
             xcom["np"], xcom["launcher"],
             "%.1f" % duration if isinstance(duration, (int, float)) else "?",
             resumed_from.describe() if resumed_from is not None else "nothing (a fresh start)",
             xcom["artifacts_uri"], xcom["checkpoint_uri"] or "none", xcom["timeline_uri"] or "none",
         )
-        versions = last_run.get("checkpoints") or []
+        versions = report.checkpoints
         if versions:
             self.log.info("Checkpoint versions committed during this try: %s",
                           ", ".join("%d (step %s)" % (v["seq"], v["step"]) for v in versions))
@@ -386,19 +387,26 @@ def _rendered_later(value: Any) -> bool:
     return isinstance(value, ResolveMixin) or (isinstance(value, str) and ("{{" in value or "{%" in value))
 
 
-def _failure(error: BaseException, last_run: dict[str, Any]) -> dict[str, Any]:
-    """The failure a try's marker keeps for the Horovod view: the engine's report, else the exception."""
-    report = last_run.get("error")
-    if isinstance(report, dict) and report.get("message"):
-        return report
-    return {
-        "message": str(error).split("\n", 1)[0],
-        "exception": "%s: %s" % (type(error).__name__, str(error).split("\n", 1)[0]),
-        "rank": getattr(error, "rank", None),
-        "host": getattr(error, "host", None),
-        "traceback": getattr(error, "remote_traceback", None) or "",
-        "tail": [line for lines in (getattr(error, "log_tail", None) or {}).values() for line in lines][-40:],
-    }
+def try_status(report: RunReport, error: BaseException | None) -> store.TryStatus:
+    """How the try ended, worked out once: a run that succeeded but whose artifacts did not come
+    back (``ArtifactError``) is a failed try."""
+    if error is None:
+        return store.TryStatus.SUCCESS
+    return store.TryStatus.CANCELLED if report.status == RunStatus.CANCELLED else store.TryStatus.FAILED
+
+
+def failure_record(error: BaseException, report: RunReport) -> dict[str, Any]:
+    """The failure a try's marker keeps for the Horovod view, one record (``events.Failure``) as
+    JSON: the engine's report, else one made from the exception."""
+    if report.error and report.error.get("message"):
+        return report.error
+    first_line = str(error).split("\n", 1)[0]
+    return Failure(
+        message=first_line, exception="%s: %s" % (type(error).__name__, first_line),
+        rank=getattr(error, "rank", None), host=getattr(error, "host", None),
+        traceback=getattr(error, "remote_traceback", None) or "",
+        tail=tuple([line for lines in (getattr(error, "log_tail", None) or {}).values() for line in lines][-40:]),
+    ).to_json()
 
 
 def _is_json(value: Any) -> bool:

@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import traceback
 from collections.abc import Iterable
 from typing import Any
@@ -37,6 +36,8 @@ from airflow_provider_horovod.runner.host import (
     upload_artifacts,
 )
 from airflow_provider_horovod.runner.names import TaskDir
+from airflow_provider_horovod.runner.network import LOOPBACK, Endpoint, endpoint_of, task_endpoint
+from airflow_provider_horovod.runner.options import Launcher
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan
 from airflow_provider_horovod.runner.shipper import ship_checkpoints
 
@@ -159,13 +160,6 @@ class SparkCoordinator:
         self.ctx.barrier()  # every task keeps its exec service until all ranks are done
 
 
-def _reachable_address(executor: str) -> str:
-    host = executor.rsplit(":", 1)[0].strip("[]")
-    with contextlib.suppress(OSError):
-        return socket.gethostbyname(host)
-    return host
-
-
 class TaskServices:
     """What a barrier task serves to the others: the exec service (mpirun), the rendezvous (Gloo, partition 0)."""
 
@@ -175,15 +169,15 @@ class TaskServices:
         from airflow_provider_horovod.runner.mpi import ExecService
 
         self.exec_service = self.rendezvous = self._hnp_port = None
-        if spec.launcher == "mpirun" and partition == 0:
+        if spec.launcher == Launcher.MPIRUN and partition == 0:
             self._hnp_port = socket.socket()  # held (bound) until mpirun is about to listen on it
             self._hnp_port.bind((address, 0))
-        if spec.launcher == "mpirun":
+        if spec.launcher == Launcher.MPIRUN:
             def on_launch(_argv: list[str]) -> None:
                 client.send({"t": names.MSG_EVENT, "kind": "orted-launched", "partition": partition, "executor": executor})
 
             self.exec_service = ExecService(address, spec.secret, env, os.getpid(), on_launch, log_path=task.orted_log)
-        if spec.launcher == "gloo" and partition == 0:
+        if spec.launcher == Launcher.GLOO and partition == 0:
             self.rendezvous = Rendezvous(address, spec.secret)
 
     @property
@@ -203,17 +197,15 @@ class TaskServices:
             self.rendezvous.stop()
 
 
-def task_facts(ctx, spec: RunSpec, partition: int, executor: str, address: str, task: TaskDir,
+def task_facts(ctx, spec: RunSpec, partition: int, executor: str, endpoint: Endpoint, task: TaskDir,
                services: TaskServices) -> TaskFacts:
-    from airflow_provider_horovod.runner.mpi import interface_for, network_for
-
     resources = ctx.resources()
     return TaskFacts(
-        partition=partition, executor=executor, address=address, pid=os.getpid(), task_dir=str(task.path),
+        partition=partition, executor=executor, address=endpoint.address, pid=os.getpid(), task_dir=str(task.path),
         python=platform.python_version(), gpus=tuple(resources["gpu"].addresses) if "gpu" in resources else (),
         service_port=services.exec_service.port if services.exec_service else 0,
         rendezvous_port=services.rendezvous.port if services.rendezvous else 0, hnp_port=services.hnp_port,
-        iface=interface_for(address), network=network_for(address), missing=missing_programs(spec),
+        iface=endpoint.iface, network=endpoint.network, missing=missing_programs(spec),
     )
 
 
@@ -260,7 +252,7 @@ def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[s
     from airflow_provider_horovod.runner.mpi import mpirun_argv
 
     slot = plan.for_partition(partition)
-    if spec.launcher == "gloo":
+    if spec.launcher == Launcher.GLOO:
         root = plan.slots[0]
         return run_ranks(spec, plan, [slot], task, env, rendezvous=(root.address, root.rendezvous_port))
     if partition != 0:
@@ -283,7 +275,6 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
     ``batches``: the task's input partition (the dataset's, spilled in ``prepare``)."""
     partition = ctx.partitionId()
     executor = ctx.getTaskInfos()[partition].address
-    address = _reachable_address(executor)
     names.sweep_orphans()
     task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "p%d" % partition, os.getpid())))
     client = ChannelClient(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), on_lost=lambda: abort_task(task), on_stop=procs.kill_all)
@@ -291,16 +282,17 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
         shutil.rmtree(task.path, ignore_errors=True)
         raise TaskFailure(unreachable_driver(spec.channel, partition, executor, client.connect_error))
     coordinator = ChannelCoordinator(client, partition) if client.connected else SparkCoordinator(ctx)
+    endpoint = task_endpoint(client.source_address, executor)  # one rule for Gloo and mpirun
     client.send({"t": names.MSG_HELLO, "partition": partition, "executor": executor})
     services = None
     try:
         task.payload.write_bytes(spec.payload)
         env = base_env(spec, task)
-        services = TaskServices(spec, partition, executor, address, task, env, client)
+        services = TaskServices(spec, partition, executor, endpoint.address, task, env, client)
         plan: Plan | None = None
         failure: Failure | None = None
         try:
-            plan = coordinator.plan(task_facts(ctx, spec, partition, executor, address, task, services), spec)
+            plan = coordinator.plan(task_facts(ctx, spec, partition, executor, endpoint, task, services), spec)
             prepare(spec, plan, partition, task, services, batches)
             coordinator.ready(plan, spec)
             with ship_checkpoints(spec, task, rank0=partition == 0):
@@ -344,18 +336,19 @@ def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:
         if missing:
             raise TaskFailure(Failure("%s not found on the driver's PATH. Install Open MPI (apt-get install "
                                       "openmpi-bin) or use launcher='gloo'." % " and ".join(missing)))
-        facts = [TaskFacts(partition=i, executor="driver", address="127.0.0.1", pid=os.getpid(), task_dir=str(task.path),
-                           python=platform.python_version(), iface="lo", network="127.0.0.0/8") for i in range(np)]
+        here = endpoint_of(LOOPBACK)
+        facts = [TaskFacts(partition=i, executor="driver", address=here.address, pid=os.getpid(), task_dir=str(task.path),
+                           python=platform.python_version(), iface=here.iface, network=here.network) for i in range(np)]
         plan = make_plan(facts)
         task.plan.write_text(plan.to_json())
         task.payload.write_bytes(spec.payload)
         hand_over_rank_keys(spec, list(plan.slots))
         env = base_env(spec, task)
         with ship_checkpoints(spec, task, rank0=True):
-            if spec.launcher == "gloo":
-                rendezvous = Rendezvous("127.0.0.1", spec.secret)
+            if spec.launcher == Launcher.GLOO:
+                rendezvous = Rendezvous(LOOPBACK, spec.secret)
                 rendezvous.init(plan)
-                failure = run_ranks(spec, plan, list(plan.slots), task, env, rendezvous=("127.0.0.1", rendezvous.port))
+                failure = run_ranks(spec, plan, list(plan.slots), task, env, rendezvous=(LOOPBACK, rendezvous.port))
             else:
                 failure = run_ranks(spec, plan, list(plan.slots), task, env,
                                     mpirun=mpirun_argv(None, np=np, networks=plan.networks))

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_horovod.runner import names, wire
+from airflow_provider_horovod.runner import names, network, wire
 from airflow_provider_horovod.runner.artifacts import Limits, TransferError, offer_tree, take_tree
 from airflow_provider_horovod.runner.events import (
     Event,
@@ -422,6 +422,12 @@ class ChannelClient:
     @property
     def connected(self) -> bool:
         return self._conn is not None
+
+    @property
+    def source_address(self) -> str | None:
+        """The local address this connection to the driver leaves from (None when not connected):
+        the address this host is reached at (``network.task_endpoint``)."""
+        return network.source_address(self._conn.sock) if self._conn is not None else None
 
     def wait_for(self, *kinds: str, timeout: float | None = None) -> dict[str, Any]:
         """The next order of one of ``kinds`` (or ``stop``); ``ConnectionError`` if the driver hung up."""

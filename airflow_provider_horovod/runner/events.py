@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from airflow_provider_horovod.runner.plan import TaskFacts
+from airflow_provider_horovod.runner.options import Launcher
+
+if TYPE_CHECKING:  # the operator and the store read run reports without importing Horovod
+    from airflow_provider_horovod.runner.plan import TaskFacts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,14 +133,24 @@ Event = (TaskStarted | FactsReported | TaskReady | RankFailed | TaskFinished | T
 
 
 # -- what a run leaves behind --------------------------------------------------------------------
+class RunStatus(enum.StrEnum):
+    """How far a run got, and how it ended (``RunReport.status``). A ``str``: JSON holds the word."""
+
+    NOT_STARTED = "not started"
+    RUNNING = "running"
+    SUCCESS = "success"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
 @dataclasses.dataclass(eq=False)
 class RunReport(Mapping):
     """``HorovodRunner.last_run``: attribute access for every field; item access for old callers."""
 
     run_id: str
     np: int
-    launcher: str
-    status: str = "running"  # not started | running | success | failed | cancelled
+    launcher: Launcher
+    status: RunStatus = RunStatus.RUNNING
     result: Any = None
     duration_s: float | None = None
     coordination: str | None = None  # "channel" (the driver's channel), "spark" (allGather), "local"

@@ -25,9 +25,11 @@ from airflow_provider_horovod.runner.dataset import DatasetSpec
 from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.keras_guard import LEGACY_KERAS_ENV
 from airflow_provider_horovod.runner.names import TaskDir
+from airflow_provider_horovod.runner.options import Launcher
 from airflow_provider_horovod.runner.plan import Plan, Slot, gloo_env
 
 WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.worker"]
+OPEN_MPI_PROGRAMS = ("mpirun", "orted")  # what mpirun needs on every host's PATH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,7 @@ class RunSpec:
     run_id: str
     secret: bytes = dataclasses.field(repr=False)
     payload: bytes = dataclasses.field(repr=False)
-    launcher: str
+    launcher: Launcher
     verbosity: str
     channel: tuple[str, int] | None
     env: dict[str, str] = dataclasses.field(repr=False)
@@ -77,7 +79,7 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
     )
     if spec.resume_local:
         env[names.ENV_RESUME_DIR] = spec.resume_local
-    if spec.launcher == "mpirun":
+    if spec.launcher == Launcher.MPIRUN:
         env.update({"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi"})
     return env
 
@@ -221,17 +223,17 @@ def mpirun_failure(plan: Plan, code: int, task: TaskDir, *, stopping: bool) -> F
 
 
 def missing_programs(spec: RunSpec) -> tuple[str, ...]:
-    if spec.launcher != "mpirun":
+    if spec.launcher != Launcher.MPIRUN:
         return ()
     path = spec.env.get("PATH", os.environ.get("PATH", ""))
-    return tuple(p for p in ("mpirun", "orted") if shutil.which(p, path=path) is None)
+    return tuple(p for p in OPEN_MPI_PROGRAMS if shutil.which(p, path=path) is None)
 
 
 def run_ranks(spec: RunSpec, plan: Plan, slots: list[Slot], task: TaskDir, env: dict[str, str], *,
               rendezvous: tuple[str, int] | None = None, mpirun: list[str] | None = None) -> Failure | None:
     """The ranks of this host, to their end: Gloo starts ``slots`` itself; under mpirun the host
     given ``mpirun`` (its argv) runs it, and every other host only serves its exec service."""
-    if spec.launcher == "gloo":
+    if spec.launcher == Launcher.GLOO:
         assert rendezvous is not None
         return run_gloo_ranks(spec, slots, rendezvous, env)
     if mpirun is None:

@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -26,9 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from airflow_provider_horovod.runner import procs, wire
-from airflow_provider_horovod.runner.host import WORKER
+from airflow_provider_horovod.runner.host import OPEN_MPI_PROGRAMS, WORKER
 from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, new_temp_dir
 from airflow_provider_horovod.runner.plan import Plan
+
+MPIRUN, ORTED = OPEN_MPI_PROGRAMS
 
 
 def orted_argv(words: list[str]) -> list[str]:
@@ -40,8 +41,8 @@ def orted_argv(words: list[str]) -> list[str]:
     """
     tokens = shlex.split(" ".join(words))
     for i, token in enumerate(tokens):
-        if os.path.basename(token) == "orted":
-            return ["orted", *tokens[i + 1 :]]
+        if os.path.basename(token) == ORTED:
+            return [ORTED, *tokens[i + 1 :]]
     raise ValueError("the rsh agent was asked to run something other than orted: %r" % (words[:3],))
 
 
@@ -129,7 +130,7 @@ def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | No
                 for addrs, _port in uris[1:] for a in addrs)
         raise OrtedRefused("orted option -mca %s is not one this run's mpirun passes" % key)
 
-    if argv[:1] != ["orted"]:
+    if argv[:1] != [ORTED]:
         raise OrtedRefused("not an orted command")
     words = argv[1:]
     i = 0
@@ -297,7 +298,7 @@ def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[s
     Open MPI's TCP traffic (``btl_tcp``: the ranks' messages; ``oob_tcp``: mpirun <-> orted) is
     kept to ``networks`` (CIDR), which every host matches with whatever its interface is called.
     """
-    argv = ["mpirun"]
+    argv = [MPIRUN]
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
     if plan is None:
@@ -314,27 +315,3 @@ def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[s
         argv += ["-mca", HNP_PORT_OPTION, str(plan.slots[0].hnp_port)]
     return argv + WORKER
 
-
-def interface_for(address: str) -> str:
-    """The network interface that holds ``address`` (``lo`` for loopback)."""
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        for a in addrs:
-            if a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address:
-                return name
-    return ""
-
-
-def network_for(address: str) -> str:
-    """The network of the interface that holds ``address``, in CIDR notation (``127.0.0.0/8`` for
-    loopback); empty when no interface holds it."""
-    import ipaddress
-
-    import psutil
-
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address and a.netmask:
-                return str(ipaddress.ip_interface("%s/%s" % (address, a.netmask)).network)
-    return ""

@@ -3,7 +3,17 @@ when its DAG is parsed (importing this module imports nothing heavy)."""
 
 from __future__ import annotations
 
-LAUNCHERS = ("mpirun", "gloo")
+import enum
+
+
+class Launcher(enum.StrEnum):
+    """How the ranks are started: ``mpirun`` (the default, as in the original HorovodRunner) or
+    Horovod's Gloo. A ``str``: JSON, XCom and the task's marker hold the plain word."""
+
+    MPIRUN = "mpirun"
+    GLOO = "gloo"
+
+
 VERBOSITIES = ("all", "log_callback_only")
 DEFAULT_START_TIMEOUT_S = 120.0
 
@@ -14,8 +24,8 @@ def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: fl
 
     ``HorovodRunner`` checks them when it is made; the operator when the DAG is parsed.
     """
-    if launcher not in LAUNCHERS:
-        raise ValueError("launcher must be one of %s; got %r" % (", ".join(LAUNCHERS), launcher))
+    if launcher not in list(Launcher):
+        raise ValueError("launcher must be one of %s; got %r" % (", ".join(Launcher), launcher))
     if driver_log_verbosity not in VERBOSITIES:
         raise ValueError("driver_log_verbosity must be one of %s; got %r" % (", ".join(VERBOSITIES), driver_log_verbosity))
     if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not 0 < start_timeout < float("inf"):

@@ -15,6 +15,7 @@ from typing import Any
 from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
 
 from airflow_provider_horovod.runner import names
+from airflow_provider_horovod.runner.options import Launcher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +155,7 @@ def make_plan(facts: list[TaskFacts]) -> Plan:
     return Plan(tuple(slots))
 
 
-def rank_env(slot: Slot, launcher: str) -> dict[str, str]:
+def rank_env(slot: Slot, launcher: Launcher) -> dict[str, str]:
     """The environment that tells a rank who it is, as ``horovodrun`` gives it under ``launcher``.
 
     ``HVDRUNNER_*`` always (``runtime`` reads them); ``HOROVOD_RANK`` & co only under Gloo: under
@@ -169,7 +170,7 @@ def rank_env(slot: Slot, launcher: str) -> dict[str, str]:
         names.ENV_CROSS_RANK: str(slot.cross_rank),
         names.ENV_CROSS_SIZE: str(slot.cross_size),
     }
-    if launcher == "gloo":
+    if launcher == Launcher.GLOO:
         env.update({
             "HOROVOD_HOSTNAME": slot.hostname,
             "HOROVOD_RANK": str(slot.rank),

@@ -33,9 +33,9 @@ from airflow_provider_horovod.runner.barrier import TaskFailure, check_facts, pa
 from airflow_provider_horovod.runner.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.dataset import DatasetSpec, check_dataset, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
-from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport
+from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport, RunStatus
 from airflow_provider_horovod.runner.host import RunSpec
-from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, check_options
+from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, Launcher, check_options
 from airflow_provider_horovod.runner.payload import build_payload, describe
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, Version, VersionSink, check_keep
@@ -50,6 +50,7 @@ from airflow_provider_horovod.runner.supervisor import (
     SendStart,
     Stop,
     Supervisor,
+    Upload,
 )
 from airflow_provider_horovod.runner.text import one_line, quoted, quoted_text
 
@@ -122,7 +123,7 @@ class HorovodRunner:
         self,
         np: int,
         *,
-        launcher: str = "mpirun",
+        launcher: str = Launcher.MPIRUN,
         driver_log_verbosity: str = "all",
         spark: Any = None,
         env: dict[str, str] | None = None,
@@ -156,7 +157,7 @@ class HorovodRunner:
         self.keep_checkpoints = check_keep(keep_checkpoints)
         self.on_checkpoint = on_checkpoint
         self.np = np
-        self.launcher = launcher
+        self.launcher = Launcher(launcher)
         self.driver_log_verbosity = driver_log_verbosity
         self.env = env
         self.deadlines = Deadlines(start_s=float(start_timeout))
@@ -169,7 +170,7 @@ class HorovodRunner:
         self._cancelled = threading.Event()
         self._interrupt: BaseException | None = None  # an exception raised into run() while supervising
         self._events: queue.Queue | None = None
-        self.last_run = RunReport(run_id="", np=np, launcher=launcher, status="not started")
+        self.last_run = RunReport(run_id="", np=np, launcher=self.launcher, status=RunStatus.NOT_STARTED)
 
     # -- public ---------------------------------------------------------------------------------
     def run(self, main: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
@@ -205,14 +206,14 @@ class HorovodRunner:
                     run = self._run_local if self.np < 0 else self._run_spark
                     sup = run(self._spec(run_id, secret, payload, None), channel, events)
                     result = self._outcome(sup, channel)
-                    report.status = "success"
+                    report.status = RunStatus.SUCCESS
                 except RunCancelledError:
-                    report.status = "cancelled"
+                    report.status = RunStatus.CANCELLED
                     if self._interrupt is not None:  # e.g. Airflow's execution_timeout: the caller's own error
                         raise self._interrupt from None
                     raise
                 except BaseException:
-                    report.status = "failed"
+                    report.status = RunStatus.FAILED
                     raise
                 finally:
                     channel.close()
@@ -223,7 +224,7 @@ class HorovodRunner:
                     report.phases = dict(sup.marks) if sup is not None else {}
         finally:
             if artifact_dir is not None and staging is not None:
-                upload = sup.upload if sup is not None else "none"
+                upload = sup.upload if sup is not None else Upload.NONE
                 self._commit(artifact_dir, staging, channel, upload, report, result, sink)
         report.result = result
         return result
@@ -392,15 +393,15 @@ class HorovodRunner:
             return cloudpickle.loads(job.value)
         return self._collect(job.value, channel)
 
-    def _commit(self, artifact_dir: Path, staging: Path, channel: Channel, upload: str, report: RunReport,
+    def _commit(self, artifact_dir: Path, staging: Path, channel: Channel, upload: Upload, report: RunReport,
                 result: Any, sink: VersionSink) -> None:
         """The end of the run's commits: what rank 0 handed over last goes into ``artifact_dir``,
         marker last (each checkpoint version was committed as it came, by ``sink``)."""
         with sink.lock:  # a version still being committed comes first
             report.checkpoints = [v.to_json() for v in sink.committed]
             report.checkpoint_errors = list(sink.errors)
-        complete = upload == "done" and channel.upload_error is None
-        if upload == "none" and report.status == "success" and channel.address is None:
+        complete = upload == Upload.DONE and channel.upload_error is None
+        if upload == Upload.NONE and report.status == RunStatus.SUCCESS and channel.address is None:
             complete = True  # no channel to hand anything over (Spark's fallback): an empty, complete run
             staging.mkdir(parents=True, exist_ok=True)
         try:
@@ -422,7 +423,7 @@ class HorovodRunner:
             report.checkpoint_path = str(artifact_dir / info["checkpoint"])
         elif committed_versions(artifact_dir):
             report.checkpoint_path = str(committed_versions(artifact_dir)[-1][1])
-        if not info["complete"] and report.status == "success":
+        if not info["complete"] and report.status == RunStatus.SUCCESS:
             raise ArtifactError("Rank 0's artifacts did not reach %s (%s); the run itself succeeded."
                                 % (artifact_dir, channel.upload_error or "rank 0's task never handed them over"),
                                 result=result)

@@ -19,6 +19,7 @@ skips the first two phases and ends when its job ends.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 
 from airflow_provider_horovod.runner import procs
@@ -38,6 +39,25 @@ from airflow_provider_horovod.runner.events import (
 )
 from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts
+
+
+class Phase(enum.StrEnum):
+    """Where the run is: tasks report and wait for the plan, prepare, run their ranks, are stopped, ended."""
+
+    STARTING = "starting"
+    PREPARING = "preparing"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    ENDED = "ended"
+
+
+class Upload(enum.StrEnum):
+    """Rank 0's hand-over of its artifacts to the driver."""
+
+    NONE = "none"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +129,7 @@ class Supervisor:
         self.deadlines = deadlines
         self._planner = planner
         self._began = now
-        self.phase = "starting" if coordinated else "running"
+        self.phase = Phase.STARTING if coordinated else Phase.RUNNING
         self.reason: str | None = None  # why the run was stopped: one of STOP_REASONS
         self.failures: list[Failure] = []  # every failure reported, in the order they arrived
         self.plan: Plan | None = None
@@ -117,7 +137,7 @@ class Supervisor:
         self._facts: dict[int, TaskFacts] = {}
         self._ready: set[int] = set()
         self.finished: dict[int, Failure | None] = {}
-        self.upload = "none"  # none | running | done | failed
+        self.upload = Upload.NONE
         self.job_ended: JobEnded | None = None
         self._stop_at: float | None = None
         self._cut_at: float | None = None
@@ -126,7 +146,7 @@ class Supervisor:
     # -- the verdict -----------------------------------------------------------------------------
     @property
     def done(self) -> bool:
-        return self.phase == "ended"
+        return self.phase == Phase.ENDED
 
     @property
     def cause(self) -> Failure | None:
@@ -148,8 +168,8 @@ class Supervisor:
             return self._on_facts(event.facts, now)
         if isinstance(event, TaskReady):
             self._ready.add(event.partition)
-            if self.phase == "preparing" and len(self._ready) == self.np:
-                self.phase = "running"
+            if self.phase == Phase.PREPARING and len(self._ready) == self.np:
+                self.phase = Phase.RUNNING
                 self._mark("start", now)
                 return [SendStart()]
             return []
@@ -162,10 +182,10 @@ class Supervisor:
         if isinstance(event, TaskFinished):
             return self._on_finished(event, now)
         if isinstance(event, UploadStarted):
-            self.upload = "running"
+            self.upload = Upload.RUNNING
             return []
         if isinstance(event, UploadFinished):
-            self.upload = "failed" if event.error else "done"
+            self.upload = Upload.FAILED if event.error else Upload.DONE
             return []
         if isinstance(event, JobEnded):
             if event.failure is not None:
@@ -174,14 +194,14 @@ class Supervisor:
                 self.failures.insert(0, event.failure)
             self.job_ended = event
             self._mark("job-ended", now)
-            self.phase = "ended"
+            self.phase = Phase.ENDED
             return []
         if isinstance(event, CancelRequested):
             return self._stop("cancel", now)
         raise TypeError("not an event: %r" % (event,))
 
     def _on_facts(self, facts: TaskFacts, now: float) -> list[Action]:
-        if self.phase != "starting":
+        if self.phase != Phase.STARTING:
             return [Stop()] if self.reason else []  # a late or resubmitted task: nothing to do here
         self._facts[facts.partition] = facts
         if len(self._facts) < self.np:
@@ -191,7 +211,7 @@ class Supervisor:
             self.plan = self._planner([self._facts[p] for p in sorted(self._facts)])
         except PlanError as err:
             return self._on_failure(err.failure, now)
-        self.phase = "preparing"
+        self.phase = Phase.PREPARING
         return [SendPlan(self.plan)]
 
     def _lost(self, partition: int) -> Failure:
@@ -220,14 +240,14 @@ class Supervisor:
         return actions
 
     def _stop(self, reason: str, now: float) -> list[Action]:
-        if self.phase == "ended":
+        if self.phase == Phase.ENDED:
             return []
         if self.reason is not None:
             if reason == "cancel" and self.reason != "cancel":
                 self.reason = "cancel"  # a cancel shortens whatever grace is running
             return []
         self.reason = reason
-        self.phase = "stopping"
+        self.phase = Phase.STOPPING
         self._stop_at = now
         self._mark("stop", now)
         return [Stop()]
@@ -235,33 +255,33 @@ class Supervisor:
     # -- time ------------------------------------------------------------------------------------
     def tick(self, now: float) -> list[Action]:
         """What the passing of time decides: a slow start, a stop that took too long."""
-        if self.phase in ("starting", "preparing") and now - self._began > self.deadlines.start_s \
+        if self.phase in (Phase.STARTING, Phase.PREPARING) and now - self._began > self.deadlines.start_s \
                 and len(self._facts) < self.np:
             return self._stop("timeout", now)
-        if self.phase == "stopping" and self._cut_at is None and self._stop_at is not None:
+        if self.phase == Phase.STOPPING and self._cut_at is None and self._stop_at is not None:
             if now >= self._cut_off_time():
                 self._cut_at = now
                 self._mark("cut-off", now)
                 return [CutOff()]
         if self._cut_at is not None and now - self._cut_at > self.deadlines.cut_off_join_s:
-            self.phase = "ended"  # Spark never returned after the cut-off: give up on it
+            self.phase = Phase.ENDED  # Spark never returned after the cut-off: give up on it
         return []
 
     def _cut_off_time(self) -> float:
         assert self._stop_at is not None
         d = self.deadlines
         if self.reason == "cancel":
-            grace = d.cancel_grace_s + (d.cancel_artifact_grace_s if self.upload == "running" else 0.0)
+            grace = d.cancel_grace_s + (d.cancel_artifact_grace_s if self.upload == Upload.RUNNING else 0.0)
         else:
-            grace = d.artifact_grace_s if self.upload == "running" else d.stop_grace_s
+            grace = d.artifact_grace_s if self.upload == Upload.RUNNING else d.stop_grace_s
         return self._stop_at + grace
 
     def next_wakeup(self, now: float) -> float:
         """Seconds until the next deadline that ``tick`` must see (bounded, so a lost event costs little)."""
         candidates = [1.0]
-        if self.phase in ("starting", "preparing"):
+        if self.phase in (Phase.STARTING, Phase.PREPARING):
             candidates.append(self._began + self.deadlines.start_s - now)
-        if self.phase == "stopping" and self._cut_at is None:
+        if self.phase == Phase.STOPPING and self._cut_at is None:
             candidates.append(self._cut_off_time() - now)
         return max(0.01, min(candidates))
 

@@ -139,6 +139,7 @@ def _setup(rank: int):
     from airflow_provider_horovod.runner import names
     from airflow_provider_horovod.runner.channel import ChannelClient
     from airflow_provider_horovod.runner.plan import Plan, rank_env
+    from airflow_provider_horovod.runner.options import Launcher
     from airflow_provider_horovod.runner.procs import start_watchdog
     from airflow_provider_horovod.runner.wire import Credentials, rank_role
 
@@ -153,7 +154,7 @@ def _setup(rank: int):
     under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
     pump = OutputPump(rank, client, stream=os.environ.get(names.ENV_VERBOSITY, "all") == "all",
                       log_path=task.rank_log(rank), forward=under_mpirun)
-    os.environ.update(rank_env(slot, os.environ.get(names.ENV_LAUNCHER, "gloo")))
+    os.environ.update(rank_env(slot, Launcher(os.environ.get(names.ENV_LAUNCHER, Launcher.GLOO))))
     os.environ[names.ENV_TASK_DIR] = slot.task_dir
     if os.environ.get(names.ENV_HAS_RESUME) == "1":
         # one copy per host, fetched by the host's first task

@@ -9,6 +9,11 @@ hosts look like one machine to Gloo or Open MPI. A host's
 link can be shaped (``tc tbf``), and new TCP connections from a host to a range of the driver's
 ports can be dropped (a firewall), both with ``tc``: netfilter is not available here.
 
+``NetBed(loopback_names=True)`` is the bed of a Debian machine: each worker host's own name resolves
+to ``127.0.1.1`` in its ``/etc/hosts`` (the other hosts' names to their addresses, as DNS would
+give them), Spark's workers are started by host name, and only the JVMs (``jdk.net.hosts.file``)
+resolve every name to its host's address, as Spark on such a machine ends up advertising it.
+
 Every name carries the owner's pid and a random id (``hvdtb-<pid>-<id>-<host>``; links ``hv<id>...``),
 so beds of concurrent test sessions never meet, and a bed whose owner died is swept by the next.
 ``NetBed.down()`` kills every process in the bed's namespaces and removes namespaces, links and
@@ -27,7 +32,9 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -68,8 +75,9 @@ class Host:
 class NetBed:
     """A driver host and ``workers`` worker hosts in network namespaces on one bridge."""
 
-    def __init__(self, workers: int = 2) -> None:
+    def __init__(self, workers: int = 2, *, loopback_names: bool = False) -> None:
         self.id = secrets.token_hex(3)
+        self.loopback_names = loopback_names
         self.owner = os.getpid()
         self.subnet = "10.213.%d" % (int(self.id[:2], 16))  # bridges carry no address: subnets never clash
         self.bridge = "hv%sbr" % self.id
@@ -201,17 +209,38 @@ class NetBed:
                 _ip("-n", host.netns, "link", "set", "lo", "up")
                 if host.name != "driver":
                     host.keeper_pid = self._keep_private_tmp(host)
+            if self.loopback_names:  # the driver host keeps the machine's name
+                names = [("127.0.0.1", "localhost"), (self.driver.address, socket.gethostname())]
+                names += [(h.address, h.hostname) for h in self.workers]
+                self.jvm_hosts_file.write_text("".join("%s %s\n" % pair for pair in names))
         except BaseException:
             self.down()
             raise
         return self
 
+    @property
+    def jvm_hosts_file(self) -> Path:
+        """Every host's name and address, for the JVMs (``-Djdk.net.hosts.file``); outside ``/tmp``,
+        which each worker host has its own of."""
+        return Path("/dev/shm/%s-%d-%s-jvm-hosts" % (PREFIX, self.owner, self.id))
+
+    def jvm_options(self) -> str:
+        """``JAVA_TOOL_OPTIONS`` of the bed's JVMs under ``loopback_names``: names resolve to addresses."""
+        return "-Djdk.net.hosts.file=%s" % self.jvm_hosts_file
+
+    def etc_hosts(self, host: Host) -> str:
+        """The ``/etc/hosts`` of a worker host: every host's name to its address or, with
+        ``loopback_names``, its own name to ``127.0.1.1`` (Debian's default line)."""
+        own = "127.0.1.1 %s\n" % host.hostname if self.loopback_names else ""
+        return "127.0.0.1 localhost\n::1 localhost\n" + own + "".join(
+            "%s %s\n" % (h.address, h.hostname) for h in self.hosts.values()
+            if h.hostname and not (self.loopback_names and h is host))
+
     def _keep_private_tmp(self, host: Host) -> int:
         """A process that holds the host's own namespaces: files (a tmpfs of its own on /tmp) and host
         name (Gloo and Open MPI take ranks with the same host name for neighbours on one machine:
-        shared memory, loopback), with an /etc/hosts that resolves every host of the bed."""
-        hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
-            "%s %s\n" % (h.address, h.hostname) for h in self.hosts.values() if h.hostname)
+        shared memory, loopback), with an /etc/hosts that resolves the bed's hosts (``etc_hosts``)."""
+        hosts = self.etc_hosts(host)
         script = ('hostname "$1" && mount -t tmpfs -o size=%s,mode=1777 hvdtb /tmp && printf "%%s" "$2" > /tmp/.hosts '
                   '&& mount --bind /tmp/.hosts /etc/hosts && echo ready && exec sleep 1000000' % TMPFS_SIZE)
         keeper = subprocess.Popen(
@@ -236,6 +265,7 @@ class NetBed:
             _ip("netns", "del", host.netns, check=False)
             _ip("link", "del", host.peer, check=False)
         _ip("link", "del", self.bridge, check=False)
+        self.jvm_hosts_file.unlink(missing_ok=True)
 
     def leftovers(self) -> list[str]:
         """What of this bed is still on the machine (namespaces, links): empty after ``down()``."""
@@ -247,6 +277,7 @@ class NetBed:
     # -- a bed described to another process (the driver's scenario runs in the driver namespace) ---
     def to_json(self) -> str:
         return json.dumps({"id": self.id, "owner": self.owner, "subnet": self.subnet, "bridge": self.bridge,
+                           "loopback_names": self.loopback_names,
                            "hosts": [dataclasses.asdict(h) for h in self.hosts.values()]})
 
     @classmethod
@@ -254,6 +285,7 @@ class NetBed:
         raw = json.loads(text)
         bed = cls.__new__(cls)
         bed.id, bed.owner, bed.subnet, bed.bridge = raw["id"], raw["owner"], raw["subnet"], raw["bridge"]
+        bed.loopback_names = raw["loopback_names"]
         bed.hosts = {h["name"]: Host(**h) for h in raw["hosts"]}
         bed._keepers = []
         return bed
@@ -282,6 +314,7 @@ def sweep() -> list[str]:
         _ip("netns", "del", name, check=False)
         removed.append(name)
         bed_id = found.group(2)
+        Path("/dev/shm/%s-%s-%s-jvm-hosts" % (PREFIX, found.group(1), bed_id)).unlink(missing_ok=True)
         for link in _ip("-br", "link", check=False).stdout.splitlines():
             link_name = link.split()[0].split("@")[0]
             if link_name.startswith("hv%s" % bed_id):
@@ -305,12 +338,12 @@ class BedCluster:
         self.procs: list[subprocess.Popen] = []
 
     def _env(self, host: Host) -> dict[str, str]:
-        import sys
-
         env = dict(os.environ)
         env.update({"SPARK_HOME": str(self.spark_home), "SPARK_LOCAL_IP": host.address, "SPARK_NO_DAEMONIZE": "1",
                     "PYSPARK_PYTHON": sys.executable, "SPARK_WORKER_OPTS": "", "SPARK_LOG_DIR": "/tmp/spark-logs"})
         env.pop("SPARK_CONF_DIR", None)
+        if self.bed.loopback_names:
+            env["JAVA_TOOL_OPTIONS"] = self.bed.jvm_options()
         return env
 
     def _start(self, host: Host, args: list[str], name: str) -> None:
@@ -329,7 +362,8 @@ class BedCluster:
         return self
 
     def start_worker(self, host: Host) -> None:
-        self._start(host, ["org.apache.spark.deploy.worker.Worker", self.master, "--host", host.address,
+        name = host.hostname if self.bed.loopback_names else host.address  # executors are named as their worker
+        self._start(host, ["org.apache.spark.deploy.worker.Worker", self.master, "--host", name,
                            "--cores", str(self.cores), "--memory", "1g", "--webui-port", "8081",
                            "--work-dir", "/tmp/spark-work"], "worker-%s" % host.name)
 
@@ -357,6 +391,27 @@ class BedCluster:
             "spark.ui.enabled": "false",
             "spark.ui.showConsoleProgress": "false",
         }
+
+    def run_scenarios(self, out: Path, runs: list[str], timeout: float) -> dict:
+        """The driver's side of ``runs`` (``scenarios/bed_runs.py``) in the driver's namespace: what each showed."""
+        root = Path(__file__).resolve().parents[2]
+        env = dict(os.environ, PYTHONPATH=str(root), SPARK_LOCAL_IP=self.bed.driver.address)
+        if self.bed.loopback_names:
+            env["JAVA_TOOL_OPTIONS"] = self.bed.jvm_options()
+        argv = [sys.executable, "-m", "tests.integration.scenarios.bed_runs", self.bed.to_json(), self.master,
+                json.dumps(self.app_conf()), str(out), *runs]
+        proc = self.bed.popen(self.bed.driver, argv, cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert out.exists(), output[-5000:]
+        runs_seen = json.loads(out.read_text())
+        runs_seen["_output"] = output
+        return runs_seen
 
     def stop(self) -> None:
         stop_process_groups(self.procs)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ import pytest
 from tests.integration.netbed import BedCluster, NetBed
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 SCENARIO_TIMEOUT_S = 540
 
 
@@ -53,22 +51,8 @@ def bed_cluster(netbed, tmp_path_factory):
 @pytest.fixture(scope="module")
 def bed_runs(netbed, bed_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("bed-out") / "runs.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), SPARK_LOCAL_IP=netbed.driver.address)
-    argv = [sys.executable, "-m", "tests.integration.scenarios.bed_runs", netbed.to_json(), bed_cluster.master,
-            json.dumps(bed_cluster.app_conf()), str(out)]
-    argv += os.environ.get("HVDTB_RUNS", "").split()  # a subset, to debug one scenario
-    proc = netbed.popen(netbed.driver, argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        text=True)
-    try:
-        output, _ = proc.communicate(timeout=SCENARIO_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert out.exists(), output[-5000:]
-    runs = json.loads(out.read_text())
-    runs["_output"] = output
-    return runs
+    runs = os.environ.get("HVDTB_RUNS", "").split()  # a subset, to debug one scenario
+    return bed_cluster.run_scenarios(out, runs, SCENARIO_TIMEOUT_S)
 
 
 def run_of(bed_runs, name: str) -> dict:

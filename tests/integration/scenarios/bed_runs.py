@@ -215,6 +215,18 @@ class Scenarios:
         return out
 
 
+def wait_for_executors(spark, n: int, timeout: float = 120) -> None:
+    """Until ``n`` executors (one per worker host) have registered. The runner waits only for ``np``
+    barrier slots, which the first executor alone has (2 cores): a first run started before the
+    second executor registers puts both ranks on one host (local_size 2, cross_size 1)."""
+    tracker = spark.sparkContext._jsc.sc().statusTracker()
+    deadline = time.monotonic() + timeout
+    while len(tracker.getExecutorInfos()) - 1 < n:  # the driver is listed too
+        if time.monotonic() > deadline:
+            raise RuntimeError("only %d of %d executors registered" % (len(tracker.getExecutorInfos()) - 1, n))
+        time.sleep(0.2)
+
+
 RUNS = ("mpirun-2", "gloo-2", "mpirun-4", "gloo-4", "artifacts", "cancel-training", "cancel-transfer",
         "rank-killed-mpirun", "rank-killed-gloo", "channel-blocked", "host-lost")
 
@@ -232,6 +244,7 @@ def main() -> None:
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    wait_for_executors(spark, len(bed.workers))
     work = Path(out_path).parent / "driver"  # next to the output: the test reads the committed artifacts
     work.mkdir()
     s = Scenarios(bed, spark, work)

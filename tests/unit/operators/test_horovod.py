@@ -194,3 +194,33 @@ def test_dataset_callable_is_kept_as_is_through_templating():
 def test_bad_dataset_arguments_fail_when_the_dag_is_parsed(kwargs, error, message):
     with pytest.raises(error, match=message):
         HorovodRunnerOperator(task_id="t", training_callable=train, op_args=[0.1], **kwargs)
+
+
+def _report(status, error=None):
+    from airflow_provider_horovod.runner.events import RunReport
+    from airflow_provider_horovod.runner.options import Launcher
+
+    return RunReport(run_id="r", np=2, launcher=Launcher.GLOO, status=status, error=error)
+
+
+def test_a_try_whose_run_succeeded_but_whose_artifacts_did_not_come_back_is_failed():
+    from airflow_provider_horovod.exceptions import ArtifactError
+    from airflow_provider_horovod.operators.horovod import try_status
+    from airflow_provider_horovod.runner.events import RunStatus
+
+    assert try_status(_report(RunStatus.SUCCESS), None) == "success"
+    assert try_status(_report(RunStatus.SUCCESS), ArtifactError("lost")) == "failed"
+    assert try_status(_report(RunStatus.CANCELLED), KeyboardInterrupt()) == "cancelled"
+
+
+def test_the_marker_keeps_the_engines_failure_report_else_one_made_from_the_exception():
+    from airflow_provider_horovod.exceptions import HorovodRunError
+    from airflow_provider_horovod.operators.horovod import failure_record
+    from airflow_provider_horovod.runner.events import Failure, RunStatus
+
+    engine = Failure("Rank 1 on host hvdhost1 raised ValueError: boom", rank=1).to_json()
+    assert failure_record(HorovodRunError("x"), _report(RunStatus.FAILED, engine)) == engine
+    made = failure_record(HorovodRunError("mpirun exited with code 1\nmore"), _report(RunStatus.FAILED))
+    assert made["message"] == "mpirun exited with code 1"
+    assert made["exception"] == "HorovodRunError: mpirun exited with code 1"
+    assert set(made) == set(engine)  # one record: the fields of events.Failure

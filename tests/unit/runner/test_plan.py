@@ -83,7 +83,7 @@ def test_mpirun_selects_interfaces_by_network_not_by_the_name_each_host_gives_it
 
 
 def test_network_of_an_address_is_its_interfaces_cidr():
-    from airflow_provider_horovod.runner.mpi import network_for
+    from airflow_provider_horovod.runner.network import endpoint_of
 
-    assert network_for("127.0.0.1") == "127.0.0.0/8"
-    assert network_for("192.0.2.77") == ""  # held by no interface here (TEST-NET-1)
+    assert endpoint_of("127.0.0.1").network == "127.0.0.0/8"
+    assert endpoint_of("192.0.2.77").network == ""  # held by no interface here (TEST-NET-1)

@@ -33,25 +33,35 @@ def python_conf(master: str | None, conf: Mapping[str, Any]) -> dict[str, str]:
     return {PYTHON_CONF: sys.executable}
 
 
-def workers_python(spark: Any, created: bool = False) -> str | None:
-    """The interpreter of the barrier stage's Python workers: the session's ``spark.pyspark.python``;
-    else, for a session on a local master that this package ``created``, ``python_conf``'s choice;
-    else ``None`` (Spark's: ``PYSPARK_PYTHON``, else ``python3``). Spark Connect: always ``None``."""
+def give_driver_python(spark: Any) -> None:
+    """For a classic session this package has just created: on a local master, its Python workers
+    run the driver's interpreter, unless ``spark.pyspark.python`` or ``PYSPARK_PYTHON`` names one.
+    (A session's master is known only once it exists, so it is set on its SparkContext.)"""
     with contextlib.suppress(Exception):
         sc = spark.sparkContext
-        python = spark.conf.get(PYTHON_CONF, None)
-        return python or (python_conf(sc.master, {}).get(PYTHON_CONF) if created else None)
-    return None
+        if python_conf(sc.master, {}) and not spark.conf.get(PYTHON_CONF, None):
+            sc.pythonExec = sys.executable
+
+
+def workers_python(spark: Any) -> str:
+    """The interpreter the session's Python workers run: ``spark.pyspark.python``, else the
+    SparkContext's (``PYSPARK_PYTHON``, else ``python3``); under Spark Connect the server decides,
+    and this says what the driver's environment would ask for."""
+    with contextlib.suppress(Exception):
+        return spark.conf.get(PYTHON_CONF, None) or spark.sparkContext.pythonExec
+    return os.environ.get("PYSPARK_PYTHON") or "python3"
 
 
 @contextlib.contextmanager
-def python_of_workers(spark: Any, created: bool = False) -> Iterator[None]:
-    """While the barrier stage's function is wrapped, give it ``workers_python``. A Spark driver
-    started from Python reads only ``PYSPARK_PYTHON`` for its workers (the conf counts only under
-    spark-submit), though Spark documents ``spark.pyspark.python`` for the executors too."""
-    python = workers_python(spark, created)
+def python_of_workers(spark: Any) -> Iterator[None]:
+    """While the barrier stage's function is wrapped, give it the interpreter ``spark.pyspark.python``
+    names. A Spark driver started from Python reads only ``PYSPARK_PYTHON`` for its workers (the
+    conf counts only under spark-submit), though Spark documents the conf for the executors too."""
     sc = getattr(spark, "_sc", None)
-    if python is None or not hasattr(sc, "pythonExec"):
+    python = None
+    with contextlib.suppress(Exception):
+        python = spark.conf.get(PYTHON_CONF, None)
+    if not python or not hasattr(sc, "pythonExec"):
         yield
         return
     before, sc.pythonExec = sc.pythonExec, python

@@ -153,7 +153,6 @@ class HorovodRunner:
         self.resume_from = Path(resume_from).resolve() if resume_from is not None else None
         self.dataset = dataset
         self._spark = spark
-        self._created_session = False  # session() made one: its executors may get the driver's Python
         self._workers_python = "python3"  # what the executors were asked to run, for the error that names it
         self._cancelled = threading.Event()
         self._interrupt: BaseException | None = None  # an exception raised into run() while supervising
@@ -228,7 +227,7 @@ class HorovodRunner:
         """The SparkSession this runner uses: the one given, else the active one, else a new one
         (with Spark's console progress bar off, so it never cuts through the ranks' lines; on a local
         master its executors run the driver's interpreter unless ``PYSPARK_PYTHON`` or
-        ``spark.pyspark.python`` names one, see ``executors.workers_python``)."""
+        ``spark.pyspark.python`` names one, see ``executors.give_driver_python``)."""
         if self._spark is not None:
             return self._spark
         from pyspark.sql import SparkSession
@@ -237,7 +236,7 @@ class HorovodRunner:
         if active is not None:
             return active
         self._spark = SparkSession.builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
-        self._created_session = True
+        executors.give_driver_python(self._spark)
         return self._spark
 
     # -- phases ---------------------------------------------------------------------------------
@@ -287,9 +286,8 @@ class HorovodRunner:
         report.spark_ui_url, report.job_tag = self._ui_url(spark), tag
         report.coordination = "channel" if address is not None else "spark"
         entry = executors.task_entry(pickle.dumps(spec), ERROR_MARKER, "spark_task")
-        self._workers_python = (executors.workers_python(spark, self._created_session)
-                                or os.environ.get("PYSPARK_PYTHON") or "python3")
-        with executors.python_of_workers(spark, self._created_session):
+        self._workers_python = executors.workers_python(spark)
+        with executors.python_of_workers(spark):
             df = source.mapInArrow(entry, RESULT_SCHEMA, barrier=True)
 
         def collect() -> list[Any]:

@@ -457,3 +457,21 @@ def test_executor_without_the_package_fails_with_one_line_naming_host_interprete
     assert "\n" not in message and "org.apache.spark" not in message, message
     assert message.startswith("The executor on host ") and (" runs %s" % python) in message, message
     assert "cannot import" in message and "PYSPARK_PYTHON" in message and "spark.archives" in message
+
+
+def test_hook_session_on_a_local_master_gives_the_executors_the_driver_interpreter(tmp_path):
+    """No PYSPARK_PYTHON anywhere: the executors would run ``python3`` from the PATH, which lacks the package."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out.json"
+    scenario = Path(__file__).parent / "scenarios" / "hook_local_python.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH")}
+    env.update(AIRFLOW_HOME=str(tmp_path), AIRFLOW_CONN_SPARK_LOCAL=json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    proc = subprocess.run([sys.executable, str(scenario), "spark_local", str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert json.loads(out.read_text()) == {"rank_python": sys.executable, "conf": sys.executable}

@@ -18,7 +18,7 @@ WITHOUT_PACKAGE = """
 import sys, importlib.abc
 class Absent(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "airflow_provider_horovod":
+        if name.split(".")[0] == sys.argv[1]:
             raise ModuleNotFoundError("No module named %r" % name, name=name)
 sys.meta_path.insert(0, Absent())
 from pyspark import cloudpickle
@@ -47,16 +47,17 @@ def test_executor_interpreter_the_user_chose_is_kept(no_pyspark_python, monkeypa
     assert executors.python_conf("local[2]", {}) == {}
 
 
-def test_executor_without_the_package_fails_with_one_line_naming_host_interpreter_and_fix():
+@pytest.mark.parametrize("absent", ["airflow_provider_horovod", "cloudpickle", "horovod"])
+def test_executor_without_the_package_fails_with_one_line_naming_host_interpreter_and_fix(absent):
     entry = executors.task_entry(b"spec", ERROR_MARKER, "spark_task")
-    out = subprocess.run([sys.executable, "-c", WITHOUT_PACKAGE], input=spark_cloudpickle.dumps(entry),
+    out = subprocess.run([sys.executable, "-c", WITHOUT_PACKAGE, absent], input=spark_cloudpickle.dumps(entry),
                          capture_output=True, timeout=60)
     assert out.returncode == 0, out.stderr.decode()
     failure = parse_failure(out.stdout.decode())
     assert failure is not None, out.stdout.decode()
     assert "\n" not in failure.message
     assert failure.message.startswith("The executor on host %s runs %s (Python " % (socket.gethostname(), sys.executable))
-    assert "cannot import airflow_provider_horovod" in failure.message
+    assert "cannot import %s (No module named '%s" % (absent, absent) in failure.message
     for fix in ("PYSPARK_PYTHON", "spark.pyspark.python", "spark.archives", "image"):
         assert fix in failure.message
     assert failure.host == socket.gethostname()

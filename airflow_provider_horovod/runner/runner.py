@@ -235,9 +235,9 @@ class HorovodRunner:
         active = SparkSession.getActiveSession()
         if active is not None:
             return active
-        self._spark = SparkSession.builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
-        executors.give_driver_python(self._spark)
-        return self._spark
+        created = SparkSession.builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
+        executors.give_driver_python(created)
+        return created
 
     # -- phases ---------------------------------------------------------------------------------
     def _spec(self, run_id: str, secret: bytes, payload: bytes, channel: tuple[str, int] | None) -> RunSpec:

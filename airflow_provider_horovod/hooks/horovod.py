@@ -25,6 +25,7 @@ from airflow.sdk import BaseHook, ObjectStoragePath
 from airflow_provider_horovod import store
 from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.runner.artifacts import TransferError, safe_relative
+from airflow_provider_horovod.runner.executors import python_conf
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -207,6 +208,8 @@ class HorovodRunnerHook(BaseHook):
         active = None
         # Spark's console progress bar only garbles the task log; the connection's conf can turn it on
         conf = {"spark.ui.showConsoleProgress": "false", **target.conf}
+        if not target.remote:  # a local master's executors run the driver's interpreter, unless told otherwise
+            conf.update(python_conf(target.master, conf))
         for key, value in conf.items():
             builder = builder.config(key, value)
         if target.remote:

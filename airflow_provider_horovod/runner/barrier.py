@@ -44,7 +44,7 @@ from airflow_provider_horovod.runner.shipper import ship_checkpoints
 ERROR_MARKER = "@@HVDRUNNER-ERROR@@"
 RESULT_CHUNK = 4 * 1024 * 1024
 
-__all__ = ["RunSpec", "TaskFailure", "check_facts", "parse_failure", "run_local", "run_task"]
+__all__ = ["RunSpec", "TaskFailure", "check_facts", "parse_failure", "run_local", "run_task", "spark_task"]
 
 
 class TaskFailure(RuntimeError):
@@ -322,6 +322,21 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
             services.close()
         client.close()
         shutil.rmtree(task.path, ignore_errors=True)
+
+
+def spark_task(spec: bytes, batches: Iterable[Any]) -> Iterable[Any]:
+    """The barrier stage's function once ``executors.task_entry`` found its imports: run the task
+    (``spec``: the pickled ``RunSpec``) and yield its rows as one Arrow batch."""
+    import pickle
+
+    import pyarrow as pa
+    from pyspark import BarrierTaskContext
+
+    rows = run_task(BarrierTaskContext.get(), pickle.loads(spec), batches)
+    for _ in batches:  # what the task did not read (no dataset=, or it stopped before the spill)
+        pass
+    schema = pa.schema([("partition", pa.int32()), ("kind", pa.string()), ("seq", pa.int32()), ("data", pa.binary())])
+    yield pa.RecordBatch.from_pylist(rows, schema=schema)
 
 
 def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import platform
 import queue
 import re
@@ -27,9 +28,9 @@ from airflow_provider_horovod.exceptions import (
     RunCancelledError,
     rank_error,
 )
-from airflow_provider_horovod.runner import names, procs, wire
+from airflow_provider_horovod.runner import executors, names, procs, wire
 from airflow_provider_horovod.runner.artifacts import Limits, check_writable, commit
-from airflow_provider_horovod.runner.barrier import TaskFailure, check_facts, parse_failure, run_local, run_task
+from airflow_provider_horovod.runner.barrier import ERROR_MARKER, TaskFailure, check_facts, parse_failure, run_local
 from airflow_provider_horovod.runner.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.dataset import DatasetSpec, check_dataset, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
@@ -57,20 +58,6 @@ from airflow_provider_horovod.runner.text import one_line, quoted, quoted_text
 log = logging.getLogger(__name__)
 
 RESULT_SCHEMA = "partition int, kind string, seq int, data binary"
-
-
-def _task_fn(spec: RunSpec) -> Callable:
-    def task(batches):
-        import pyarrow as pa
-        from pyspark import BarrierTaskContext
-
-        rows = run_task(BarrierTaskContext.get(), spec, batches)
-        for _ in batches:  # what the task did not read (no dataset=, or it stopped before the spill)
-            pass
-        schema = pa.schema([("partition", pa.int32()), ("kind", pa.string()), ("seq", pa.int32()), ("data", pa.binary())])
-        yield pa.RecordBatch.from_pylist(rows, schema=schema)
-
-    return task
 
 
 def _in_thread(name: str, work: Callable[[], Any], events: queue.Queue) -> threading.Thread:
@@ -167,6 +154,7 @@ class HorovodRunner:
         self.resume_from = Path(resume_from).resolve() if resume_from is not None else None
         self.dataset = dataset
         self._spark = spark
+        self._workers_python = "python3"  # what the executors were asked to run, for the error that names it
         self._cancelled = threading.Event()
         self._interrupt: BaseException | None = None  # an exception raised into run() while supervising
         self._events: queue.Queue | None = None
@@ -238,13 +226,19 @@ class HorovodRunner:
 
     def session(self) -> Any:
         """The SparkSession this runner uses: the one given, else the active one, else a new one
-        (with Spark's console progress bar off, so it never cuts through the ranks' lines)."""
+        (with Spark's console progress bar off, so it never cuts through the ranks' lines; on a local
+        master its executors run the driver's interpreter unless ``PYSPARK_PYTHON`` or
+        ``spark.pyspark.python`` names one, see ``executors.give_driver_python``)."""
         if self._spark is not None:
             return self._spark
         from pyspark.sql import SparkSession
 
-        return SparkSession.getActiveSession() or \
-            SparkSession.builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            return active
+        created = SparkSession.builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
+        executors.give_driver_python(created)
+        return created
 
     # -- phases ---------------------------------------------------------------------------------
     def _spec(self, run_id: str, secret: bytes, payload: bytes, channel: tuple[str, int] | None) -> RunSpec:
@@ -294,7 +288,10 @@ class HorovodRunner:
         report = self.last_run
         report.spark_ui_url, report.job_tag = self._ui_url(spark), tag
         report.coordination = "channel" if address is not None else "spark"
-        df = source.mapInArrow(_task_fn(spec), RESULT_SCHEMA, barrier=True)
+        entry = executors.task_entry(pickle.dumps(spec), ERROR_MARKER, "spark_task")
+        self._workers_python = executors.workers_python(spark)
+        with executors.python_of_workers(spark):
+            df = source.mapInArrow(entry, RESULT_SCHEMA, barrier=True)
 
         def collect() -> list[Any]:
             spark.addTag(tag)
@@ -535,6 +532,9 @@ class HorovodRunner:
                 "spark.pyspark.python) at the same Python version on the driver and the executors."
                 % (executor, platform.python_version())
             )
+        missing = executors.missing_module_text(text, self._workers_python)
+        if missing is not None:
+            return HorovodRunError(missing)
         return HorovodRunError("The Spark job running the Horovod ranks failed:\n%s" % quoted_text(str(err).strip()[:4000]))
 
     @contextlib.contextmanager

@@ -432,3 +432,46 @@ def test_an_error_raised_into_run_by_a_signal_handler_cancels_the_run_and_keeps_
     committed = json.loads((tmp_path / "artifacts" / "_RUN.json").read_text())
     assert committed["status"] == "cancelled" and committed["complete"] is True
     assert (tmp_path / "artifacts" / "checkpoints" / "step.txt").read_text() == "5"
+
+
+def test_executor_without_the_package_fails_with_one_line_naming_host_interpreter_and_fix(tmp_path):
+    """An executor whose interpreter lacks the package (a bare virtualenv here), as on a cluster
+    whose executors were not given the driver's environment."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python, out = str(venv / "bin" / "python"), tmp_path / "out.json"
+    scenario = Path(__file__).parent / "scenarios" / "bare_executor.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH")}
+    proc = subprocess.run([sys.executable, str(scenario), python, str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got["error_type"] == "HorovodRunError"
+    message = got["message"]
+    assert "\n" not in message and "org.apache.spark" not in message, message
+    assert message.startswith("The executor on host ") and (" runs %s" % python) in message, message
+    assert "cannot import" in message and "PYSPARK_PYTHON" in message and "spark.archives" in message
+
+
+def test_hook_session_on_a_local_master_gives_the_executors_the_driver_interpreter(tmp_path):
+    """No PYSPARK_PYTHON anywhere: the executors would run ``python3`` from the PATH, which lacks the package."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out.json"
+    scenario = Path(__file__).parent / "scenarios" / "hook_local_python.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "PYTHONPATH")}
+    env.update(AIRFLOW_HOME=str(tmp_path), AIRFLOW_CONN_SPARK_LOCAL=json.dumps({"conn_type": "spark", "host": "local[2]"}))
+    proc = subprocess.run([sys.executable, str(scenario), "spark_local", str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert json.loads(out.read_text()) == {"rank_python": sys.executable, "conf": sys.executable}

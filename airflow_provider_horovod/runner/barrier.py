@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import shutil
+import socket
 import traceback
 from collections.abc import Iterable
 from typing import Any

@@ -7,6 +7,12 @@ import os
 import sys
 
 
+def print_load(when: str) -> None:
+    """The 1/5/15-minute load average ``when`` ("at the start", "at the end"): other work on the
+    machine skews every number, so each figure is read beside it."""
+    print("load average %s: %.2f %.2f %.2f" % ((when,) + os.getloadavg()), flush=True)
+
+
 def warm_local_session(app_name: str):
     """A ``local[2]`` SparkSession with its JVM and Python workers already started."""
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"

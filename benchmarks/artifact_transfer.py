@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import psutil
-from _common import warm_local_session, write_checkpoint
+from _common import print_load, warm_local_session, write_checkpoint
 
 
 class PeakRss:
@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--settle", type=float, default=10.0, help="seconds of quiet before each timed contender")
     args = parser.parse_args()
+    print_load("at the start")
     spark = warm_local_session("artifact-transfer-benchmark")
 
     from airflow_provider_horovod import HorovodRunner
@@ -125,6 +126,7 @@ def main() -> None:
         spark.stop()
         shutil.rmtree(work, ignore_errors=True)
     median = {k: statistics.median(v) for k, v in speeds.items()}
+    print_load("at the end")
     print()
     print("checkpoint size                %d MiB, %d rounds, medians" % (args.mib, args.rounds))
     print("pull, same host (copy)         %.0f MiB/s" % median["copy"])

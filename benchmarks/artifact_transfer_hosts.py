@@ -145,7 +145,10 @@ def main() -> None:
         print("RESULTS " + json.dumps(driver_side(bed_json, master, json.loads(conf), args)), flush=True)
         return
 
+    from _common import print_load
     from tests.integration.netbed import BedCluster, NetBed
+
+    print_load("at the start")
 
     why = NetBed.unavailable()
     if why:
@@ -176,6 +179,7 @@ def main() -> None:
             cluster.stop()
         bed.down()
         shutil.rmtree(logs, ignore_errors=True)
+    print_load("at the end")
     print()
     print("checkpoint %d MiB, %d rounds, medians; worker link shaped to %s with tc tbf" % (args.mib, args.rounds, args.rate))
     for link in ("shaped", "unshaped"):

@@ -42,6 +42,14 @@ EMBEDDED_CONF = {"spark.ui.enabled": "false", "spark.ui.killEnabled": "false", "
                  "spark.driver.bindAddress": "127.0.0.1"}
 # Extras of the ``spark`` connection that only mean something to spark-submit.
 SPARK_SUBMIT_ONLY_EXTRAS = ("spark-binary", "rest-scheme", "rest-port", "yarn_resourcemanager_webapp_address")
+# Extras of the Spark provider's ``spark`` connection that cannot work when the driver runs in the task.
+REFUSED_EXTRAS = {
+    "keytab": "spark-submit's base64 keytab, which this provider does not write out. The Spark driver runs inside "
+              "the Airflow task: give the path of the keytab on the Airflow worker as the extra "
+              "'spark.kerberos.keytab' (beside 'principal') instead.",
+    "spark-home": "the Spark provider refuses it too. This provider runs the pyspark installed beside Airflow: "
+                  "remove the extra (set SPARK_HOME in the worker's environment if you need another Spark).",
+}
 # The extra of a ``spark`` connection that names its Spark History Server (the "Spark UI" link goes there).
 HISTORY_SERVER_EXTRA = "history_server_url"
 # Extras of the ``spark`` connection that map onto Spark conf keys.
@@ -178,6 +186,8 @@ class HorovodRunnerHook(BaseHook):
                 conf[EXTRA_TO_CONF[key]] = _conf_value(value, "extra %r of connection %r" % (key, conn_id))
             elif key.startswith("spark."):
                 conf[key] = _conf_value(value, "extra %r of connection %r" % (key, conn_id))
+            elif key in REFUSED_EXTRAS:
+                raise SparkConnectionError("Connection %r has the extra %r: %s" % (conn_id, key, REFUSED_EXTRAS[key]))
             else:
                 unknown.append(key)
         if unknown:

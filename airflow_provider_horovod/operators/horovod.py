@@ -313,9 +313,9 @@ class HorovodRunnerOperator(BaseOperator):
     def _log_summary(self, xcom: dict[str, Any], report: RunReport, status: store.TryStatus, resumed_from: Any) -> None:
         duration = xcom["duration_s"]
         self.log.info(
-            "Horovod summary: %s; %s ranks with %s in %s s; resumed from %s; artifacts in %s (checkpoint: %s, timeline: %s)",
+            "Horovod summary: %s; %s with %s in %s s; resumed from %s; artifacts in %s (checkpoint: %s, timeline: %s)",
             "succeeded" if status == store.TryStatus.SUCCESS else status.value,
-            xcom["np"], xcom["launcher"],
+            _ranks_text(xcom["np"]), xcom["launcher"],
             "%.1f" % duration if isinstance(duration, (int, float)) else "?",
             resumed_from.describe() if resumed_from is not None else "nothing (a fresh start)",
             xcom["artifacts_uri"], xcom["checkpoint_uri"] or "none", xcom["timeline_uri"] or "none",
@@ -420,3 +420,8 @@ def _is_json(value: Any) -> bool:
 def _type_name(value: Any) -> str:
     cls = type(value)
     return "%s.%s" % (cls.__module__, cls.__qualname__)
+
+
+def _ranks_text(np: int) -> str:
+    """``np`` as the summary says it: ``2 ranks``, or ``2 local processes`` for ``np=-2``."""
+    return "%d local processes" % -np if np < 0 else "%d ranks" % np

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -90,6 +91,17 @@ def test_extras_that_are_a_json_list_say_so(monkeypatch):
 def test_unknown_extra_keys_are_named(monkeypatch):
     conn(monkeypatch, "spark_x", conn_type="spark", host="local[2]", extra={"executor_memory": "4g", "spark.a": "1"})
     with pytest.raises(SparkConnectionError, match="does not understand: executor_memory.*start with 'spark.'"):
+        HorovodRunnerHook("spark_x").resolve_target()
+
+
+@pytest.mark.parametrize(("extra", "fix"), [
+    ({"keytab": "a2V5dGFi", "principal": "etl@EXAMPLE.COM"}, "as the extra 'spark.kerberos.keytab'"),
+    ({"spark-home": "/opt/spark"}, "the Spark provider refuses it too"),
+])
+def test_spark_provider_extras_that_cannot_work_here_say_what_to_set(monkeypatch, extra, fix):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="yarn", extra=extra)
+    with pytest.raises(SparkConnectionError, match="Connection 'spark_x' has the extra '%s': .*%s" % (
+            next(iter(extra)), re.escape(fix))):
         HorovodRunnerHook("spark_x").resolve_target()
 
 

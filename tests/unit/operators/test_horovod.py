@@ -10,7 +10,7 @@ from airflow_provider_horovod.decorators.horovod import horovod_task
 from airflow_provider_horovod.exceptions import DatasetError, PayloadError
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
-from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator, validate_np
+from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator, _ranks_text, validate_np
 
 
 def train(lr: float, epochs: int = 1):
@@ -224,3 +224,8 @@ def test_the_marker_keeps_the_engines_failure_report_else_one_made_from_the_exce
     assert made["message"] == "mpirun exited with code 1"
     assert made["exception"] == "HorovodRunError: mpirun exited with code 1"
     assert set(made) == set(engine)  # one record: the fields of events.Failure
+
+
+@pytest.mark.parametrize(("np", "said"), [(2, "2 ranks"), (-2, "2 local processes")])
+def test_the_summary_counts_local_processes_as_processes_not_negative_ranks(np, said):
+    assert _ranks_text(np) == said

@@ -5,12 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-from pathlib import Path
 
 import pytest
 
-from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook, SparkConnectionError
 
 

@@ -193,6 +193,9 @@ class NetBed:
         return None
 
     def up(self) -> NetBed:
+        if Path(sys.executable).resolve().is_relative_to("/tmp"):
+            raise RuntimeError("The bed's worker hosts have a private /tmp, so they cannot see this checkout's Python "
+                               "(%s): clone the repository outside /tmp to run the multi-host tests." % sys.executable)
         sweep()
         try:
             _ip("link", "add", self.bridge, "type", "bridge")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from airflow_provider_horovod import store
 from airflow_provider_horovod.runner import timeline as hvd_timeline
+from airflow_provider_horovod.runner.artifacts import OPEN_FILE, open_below
 from airflow_provider_horovod.store import MARKER, TIMELINE
 
 if TYPE_CHECKING:
@@ -59,8 +60,6 @@ def roots() -> list[str]:
     return found
 
 
-_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,22 +79,17 @@ class LocalFolder:
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             raise NotFound(self.root) from None
-        for part in self.parts + below:
-            try:
-                child = os.open(part, _OPEN_DIR, dir_fd=fd)
-            except OSError:
-                raise NotFound(part) from None
-            finally:
-                os.close(fd)
-            fd = child
-        return fd
+        try:
+            return open_below(fd, self.parts + below)
+        except OSError:
+            raise NotFound("/".join(self.parts + below)) from None
 
     def open_file(self, rel: str) -> int:
         """A descriptor of the regular file ``rel`` (``/``-separated) inside this folder, no link followed."""
         *folders, name = rel.split("/")
         dir_fd = self.open_dir(*folders)
         try:
-            fd = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
+            fd = os.open(name, OPEN_FILE, dir_fd=dir_fd)
         except OSError:
             raise NotFound(rel) from None
         finally:

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -73,13 +73,13 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
 
 
 # -- walking a folder without following links ----------------------------------------------------
-_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-_OPEN_DIR = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+OPEN_DIR = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 
 
 def open_dir(path: Path) -> int:
     """A descriptor of the folder ``path`` itself: never of what a link there points to."""
-    return os.open(path, _OPEN_DIR)
+    return os.open(path, OPEN_DIR)
 
 
 def finished_files(root_fd: int, *, owner: int | None = None) -> Iterator[tuple[str, int]]:
@@ -92,7 +92,7 @@ def finished_files(root_fd: int, *, owner: int | None = None) -> Iterator[tuple[
             if in_progress(name):
                 continue
             try:
-                fd = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
+                fd = os.open(name, OPEN_FILE, dir_fd=dir_fd)
             except OSError:
                 continue  # a link (ELOOP), or removed while we looked
             st = os.fstat(fd)
@@ -288,10 +288,15 @@ def make_offer(root: Path, proof_dir: Path) -> dict[str, str]:
 def open_dir_strictly(path: Path) -> int:
     """A descriptor of the folder at the absolute ``path``, reached from ``/`` one component at a
     time without following a link on any of them (``OSError`` if one is a link)."""
-    fd = os.open("/", _OPEN_DIR)
+    return open_below(os.open("/", OPEN_DIR), path.parts[1:])
+
+
+def open_below(fd: int, parts: Iterable[str]) -> int:
+    """A descriptor of the folder ``parts`` below the open folder ``fd`` (which this closes), one
+    component at a time, following no link (``OSError`` if one is a link or missing)."""
     try:
-        for part in path.parts[1:]:
-            child = os.open(part, _OPEN_DIR, dir_fd=fd)
+        for part in parts:
+            child = os.open(part, OPEN_DIR, dir_fd=fd)
             os.close(fd)
             fd = child
     except BaseException:
@@ -315,7 +320,7 @@ def _private_dir(path: Path) -> int | None:
 
 def _read_proof(dir_fd: int, name: str, token: str) -> bool:
     try:
-        fd = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
+        fd = os.open(name, OPEN_FILE, dir_fd=dir_fd)
     except OSError:
         return False
     try:
@@ -361,7 +366,7 @@ def open_offer(offer: Any, *, root_ok: Callable[[Path], bool] = lambda root: Tru
         with contextlib.suppress(OSError):
             os.unlink(proof_path.name, dir_fd=folder)  # used once
         try:
-            return os.open(root_path.name, _OPEN_DIR, dir_fd=folder)
+            return os.open(root_path.name, OPEN_DIR, dir_fd=folder)
         except OSError:
             return None
     finally:

@@ -8,6 +8,8 @@ Two families, both written here once:
   missing field, a field of the wrong type). Task -> driver: ``Hello``, ``Facts``, ``Ready``,
   ``Finished``, ``PutArtifacts``, ``FetchResume``, ``PutVersion``; rank (or task) -> driver:
   ``Logs``, ``Error``, ``Event``; driver -> task: ``Planned``, ``Start``, ``Stop``, ``Release``.
+- **Exec-service messages** go between mpirun's rsh agent and a host's exec service (``rsh.py``,
+  ``mpi.py``), on a connection of their own: ``LaunchOrted``, then ``OrtedStarted`` and ``OrtedExited``.
 - **Transfer messages** follow ``put``, ``fetch-resume`` or ``put-version`` on that connection
   (both sides of the exchange are in ``artifacts.py``: ``offer_tree`` and ``take_tree``); each is
   a frame of one key (``{"mode": ...}``) that the peer expects next, so it carries no ``t``. Their
@@ -440,3 +442,51 @@ def wait_for(conn: Any, expected: type[Received] | type[Receipt]) -> Any:
     while not expected.is_one(raw := conn.recv()):
         pass
     return expected.from_json(raw)
+
+
+# -- the exec service (mpirun's rsh agent <-> a host's exec service; no ``t`` either) --------------
+@dataclasses.dataclass(frozen=True)
+class LaunchOrted:
+    """rsh agent -> exec service: the words Open MPI gave the agent (the ``orted`` command line)."""
+
+    words: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"words": list(self.words)}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> LaunchOrted:
+        words = raw.get("words")
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise ProtocolError("a request without a list of words")
+        return cls(words)
+
+
+@dataclasses.dataclass(frozen=True)
+class OrtedStarted:
+    """Exec service -> rsh agent: ``orted`` runs, as process ``pid``."""
+
+    pid: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"started": self.pid}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> OrtedStarted:
+        pid = raw.get("started")
+        return cls(pid if isinstance(pid, int) else -1)  # the agent only waits for it
+
+
+@dataclasses.dataclass(frozen=True)
+class OrtedExited:
+    """Exec service -> rsh agent: ``orted`` ended with ``code`` (negative: killed by that signal);
+    255 when the service did not say, as ssh reports a lost connection."""
+
+    code: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"exit": self.code}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> OrtedExited:
+        return cls(int(raw.get("exit", 255)))

@@ -46,6 +46,9 @@ TRANSFER_MESSAGES = [
     messages.Intact(True),
     messages.Receipt(True, files=2),
     messages.Receipt(False, error="rank 0's artifacts are larger than 1 bytes"),
+    messages.LaunchOrted(["hvdhost1", "orted", "-mca", "ess", "env"]),
+    messages.OrtedStarted(4242),
+    messages.OrtedExited(-9),
 ]
 
 
@@ -96,6 +99,11 @@ def test_a_rank_failure_keeps_every_field_of_its_report():
 def test_a_malformed_or_unknown_frame_is_a_protocol_error_that_says_what_is_wrong(frame, words):
     with pytest.raises(ProtocolError, match=words.replace("(", r"\(").replace(")", r"\)")):
         decode(frame)
+
+
+def test_an_exec_request_without_a_list_of_words_is_a_protocol_error():
+    with pytest.raises(ProtocolError, match="a request without a list of words"):
+        messages.LaunchOrted.from_json({"words": "orted -mca ess env"})
 
 
 @pytest.mark.parametrize(("frame", "words"), [

@@ -71,6 +71,12 @@ def _check(kind: str, name: str, value: Any, hint: Any) -> Any:
     return value
 
 
+def _required(kind: str, raw: Mapping[str, Any], name: str, hint: Any) -> Any:
+    if name not in raw:
+        raise ProtocolError("a %s message without %s" % (kind, name))
+    return _check(kind, name, raw[name], hint)
+
+
 @dataclasses.dataclass(frozen=True)
 class Message:
     """A channel message: its fields are the frame's fields beside ``t``."""
@@ -86,10 +92,8 @@ class Message:
         hints = typing.get_type_hints(cls)
         values = {}
         for field in dataclasses.fields(cls):
-            if field.name in raw:
-                values[field.name] = _check(cls.TYPE, field.name, raw[field.name], hints[field.name])
-            elif field.default is dataclasses.MISSING:
-                raise ProtocolError("a %s message without %s" % (cls.TYPE, field.name))
+            if field.name in raw or field.default is dataclasses.MISSING:
+                values[field.name] = _required(cls.TYPE, raw, field.name, hints[field.name])
         return cls(**values)
 
 
@@ -148,7 +152,7 @@ class Finished(Message):
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Finished:
-        partition = _check(cls.TYPE, "partition", raw.get("partition"), int)
+        partition = _required(cls.TYPE, raw, "partition", int)
         tails = raw.get("tails") or {}
         if not isinstance(tails, dict) or not all(isinstance(lines, list) for lines in tails.values()):
             raise ProtocolError("a finished message whose tails are not lists of lines by rank")
@@ -174,7 +178,7 @@ class Logs(Message):
     def from_json(cls, raw: Mapping[str, Any]) -> Logs:
         if not isinstance(raw.get("lines"), list):
             raise ProtocolError("logs whose lines are not a list")
-        return cls(_check(cls.TYPE, "rank", raw.get("rank"), int), [str(line) for line in raw["lines"]],
+        return cls(_required(cls.TYPE, raw, "rank", int), [str(line) for line in raw["lines"]],
                    callback=bool(raw.get("callback")), quiet=bool(raw.get("quiet")))
 
 

@@ -94,7 +94,8 @@ def test_a_rank_failure_keeps_every_field_of_its_report():
     ({"t": "plan", "plan": "[{\"rank\": 0}]"}, "plan message whose plan cannot be read"),
     ({"t": "finished", "partition": 0, "tails": {"0": "not lines"}}, "tails are not lists of lines"),
     ({"t": "finished", "partition": 0, "failure": ["not", "a", "report"]}, "failure is not a report"),
-    ({"t": "finished"}, "finished message whose partition is NoneType, not int"),
+    ({"t": "finished"}, "finished message without partition"),
+    ({"t": "logs", "lines": []}, "logs message without rank"),
 ])
 def test_a_malformed_or_unknown_frame_is_a_protocol_error_that_says_what_is_wrong(frame, words):
     with pytest.raises(ProtocolError, match=words.replace("(", r"\(").replace(")", r"\)")):

@@ -92,7 +92,7 @@ class Message:
         hints = typing.get_type_hints(cls)
         values = {}
         for field in dataclasses.fields(cls):
-            if field.name in raw or field.default is dataclasses.MISSING:
+            if field.name in raw or field.default is field.default_factory is dataclasses.MISSING:
                 values[field.name] = _required(cls.TYPE, raw, field.name, hints[field.name])
         return cls(**values)
 

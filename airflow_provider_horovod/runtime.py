@@ -69,9 +69,11 @@ def log_to_driver(message: object) -> None:
     """Send ``message`` to the driver, whatever ``driver_log_verbosity`` is: to its
     ``airflow_provider_horovod.ranks`` logger when that shows INFO lines (Airflow's task log), else
     to its stdout."""
+    from airflow_provider_horovod.runner.messages import Logs
+
     text = str(message)
     if _client is not None and _client.connected:
-        _client.send({"t": names.MSG_LOGS, "rank": rank(), "lines": text.splitlines() or [""], "callback": True})
+        _client.send(Logs(rank(), text.splitlines() or [""], callback=True))
     else:
         print(text, flush=True)
 

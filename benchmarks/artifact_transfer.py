@@ -125,10 +125,14 @@ def main() -> None:
         os.environ.pop("HVDRUNNER_ARTIFACT_TRANSPORT", None)
         spark.stop()
         shutil.rmtree(work, ignore_errors=True)
-    median = {k: statistics.median(v) for k, v in speeds.items()}
     print_load("at the end")
+    print_medians(args.mib, args.rounds, speeds, rss)
+
+
+def print_medians(mib: int, rounds: int, speeds: dict[str, list[float]], rss: dict[str, list[float]]) -> None:
+    median = {k: statistics.median(v) for k, v in speeds.items()}
     print()
-    print("checkpoint size                %d MiB, %d rounds, medians" % (args.mib, args.rounds))
+    print("checkpoint size                %d MiB, %d rounds, medians" % (mib, rounds))
     print("pull, same host (copy)         %.0f MiB/s" % median["copy"])
     print("pull, streamed (other host)    %.0f MiB/s" % median["stream"])
     print("cp                             %.0f MiB/s" % median["cp"])

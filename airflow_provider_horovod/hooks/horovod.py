@@ -24,7 +24,7 @@ from airflow.sdk import BaseHook, ObjectStoragePath
 
 from airflow_provider_horovod import store
 from airflow_provider_horovod.exceptions import ArtifactError
-from airflow_provider_horovod.runner.artifacts import TransferError, safe_relative
+from airflow_provider_horovod.runner.messages import TransferError, safe_relative
 from airflow_provider_horovod.runner.executors import python_conf
 
 if TYPE_CHECKING:

@@ -1,5 +1,10 @@
 """Artifacts: rank 0's checkpoints and the Horovod timeline, pulled to the driver and committed.
 
+Both sides of every transfer live here: the side with the files (``offer_tree``: rank 0's task
+with its artifacts, ``upload_tree``, or a checkpoint version, ``put_version``; the driver with
+``resume_from``) and the side that takes them (``take_tree``: the driver's channel, or a host
+leader, ``fetch_resume``). Their frames are in ``messages.py``.
+
 Files move as a stream of frames over the run's authenticated channel (``send_tree`` /
 ``receive_tree``), one chunk in memory at a time. When rank 0's task runs on the driver's own host
 (``local[N]``, a single-machine cluster, or a folder on storage both see), the task offers its folder
@@ -36,12 +41,29 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from airflow_provider_horovod.exceptions import ArtifactError
-from airflow_provider_horovod.runner import names
+from airflow_provider_horovod.runner import names, wire
 from airflow_provider_horovod.runner import timeline as hvd_timeline
+from airflow_provider_horovod.runner.messages import (
+    FetchResume,
+    FileHeader,
+    Heartbeat,
+    Intact,
+    Message,
+    Mode,
+    Offer,
+    PutArtifacts,
+    PutVersion,
+    Receipt,
+    Received,
+    StreamEnd,
+    TransferError,
+    wait_for,
+)
 
 ENGINE_MARKER = "_RUN.json"  # the engine's own marker; the store's is _ARTIFACTS.json (store.py)
 CHUNK = 4 << 20
 COPY_CHUNK = 64 << 20  # per copy_file_range call: how often a same-host copy looks for a cancel
+TRANSFER_TIMEOUT_S = 60.0  # a transfer's peer sends a frame or a heartbeat well within this
 TIMELINE = names.TIMELINE_FILE
 SUMMARY = "timeline_summary.json"
 PICTURE = "timeline.svg"
@@ -129,7 +151,7 @@ def send_tree(conn, root: Path | None) -> int:
         for rel, fd in (finished_files(root_fd) if root_fd is not None else ()):
             with os.fdopen(fd, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                conn.send({"file": rel, "size": size})
+                conn.send(FileHeader(rel, size).to_json())
                 count += 1
                 buf = bytearray(min(CHUNK, max(size, 1)))
                 view = memoryview(buf)
@@ -145,27 +167,13 @@ def send_tree(conn, root: Path | None) -> int:
     finally:
         if root_fd is not None:
             os.close(root_fd)
-    conn.send({"end": True, "files": count})
+    conn.send(StreamEnd(count).to_json())
     return sent
 
 
 class RefusedError(OSError):
     """The receiver took the offer and said no, with its reason (past a limit, its disk full): it
     knows and records why, so the sender need not report it again."""
-
-
-class TransferError(ValueError):
-    """The sending side broke the transfer protocol, or went past a limit."""
-
-
-def safe_relative(name: Any) -> PurePosixPath:
-    """``name`` as a relative path that stays inside its folder; ``TransferError`` otherwise."""
-    if not isinstance(name, str) or not name or "\0" in name:
-        raise TransferError("refusing a file name that is empty or not plain text: %r" % (name,))
-    rel = PurePosixPath(name)
-    if rel.is_absolute() or any(part in ("", ".", "..") for part in name.split("/")):
-        raise TransferError("refusing a file outside the artifact folder: %r" % (name,))
-    return rel
 
 
 def receive_tree(conn, dest: Path, limits: Limits = Limits()) -> list[dict[str, Any]]:
@@ -180,14 +188,12 @@ def receive_tree(conn, dest: Path, limits: Limits = Limits()) -> list[dict[str, 
     writer = _FileWriter()
     try:
         while True:
-            head = conn.recv()
-            if head.get("end") is True:
+            raw = conn.recv()
+            if StreamEnd.is_one(raw):
                 writer.finish()
                 return received
-            rel = safe_relative(head.get("file"))
-            size = head.get("size")
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise TransferError("refusing %s: its size %r is not a byte count" % (rel, size))
+            head = FileHeader.from_json(raw)
+            rel, size = PurePosixPath(head.file), head.size
             if len(received) + 1 > limits.max_files:
                 raise TransferError("rank 0's artifacts hold more than %d files (max_artifact_files); keep fewer "
                                     "files in the checkpoint folder or raise the limit" % limits.max_files)
@@ -446,17 +452,21 @@ def offer_tree(conn, root: Path | None, proof_dir: Path | None) -> None:
     """The side that has the files: offer ``root`` (``proof_dir=None``: stream only; ``root=None``:
     an empty stream), stream it if asked, and wait for the taker's receipt; heartbeats and anything
     else before it are ignored."""
+    give_tree(conn, root, proof_dir)
+    receipt = wait_for(conn, Receipt)
+    if not receipt.ok:
+        raise RefusedError(receipt.error or "the receiver could not store the files")
+
+
+def give_tree(conn, root: Path | None, proof_dir: Path | None) -> None:
+    """Offer ``root`` and stream it if the taker asks (``offer_tree`` without waiting for the receipt)."""
     offer = None
     if root is not None and proof_dir is not None:
         with contextlib.suppress(OSError):  # no proof file (disk full, read-only): the stream still works
             offer = make_offer(root, proof_dir)
-    conn.send({"offer": offer})
-    if conn.recv().get("mode") == "stream":
+    conn.send(Offer(offer).to_json())
+    if Mode.from_json(conn.recv()).stream:
         send_tree(conn, root)
-    while "ok" not in (receipt := conn.recv()):
-        pass
-    if not receipt["ok"]:
-        raise RefusedError(receipt.get("error") or "the receiver could not store the files")
 
 
 def take_tree(conn, dest: Path, *, allow_copy: bool = True, cancelled: Callable[[], bool] = lambda: False,
@@ -467,23 +477,64 @@ def take_tree(conn, dest: Path, *, allow_copy: bool = True, cancelled: Callable[
     lie beside them (the driver taking a task's artifacts); without it, any folder the offer
     proves. ``chosen`` hears the way taken before any file moves. Returns the way and the files;
     the receipt is the caller's to send."""
-    offer = conn.recv().get("offer")
+    offer = Offer.from_json(conn.recv()).offer
     local = None
     if allow_copy:
         local = open_offer(offer, root_ok=root_ok, proof_beside_root=True) if root_ok else open_offer(offer)
     mode = "copy" if local is not None else "stream"
     chosen(mode)
-    conn.send({"mode": mode})
+    conn.send(Mode(mode).to_json())
     if local is None:
         return mode, receive_tree(conn, dest, limits)
     beat = [time.monotonic()]
 
     def heartbeat(_done: int) -> None:  # the offering side waits for the receipt meanwhile
         if time.monotonic() - beat[0] > 2:
-            conn.send({"copying": True})
+            conn.send(Heartbeat().to_json())
             beat[0] = time.monotonic()
 
     return mode, copy_tree(local, dest, cancelled=cancelled, progress=heartbeat, limits=limits, owner=os.geteuid())
+
+
+# -- the task's requests, each on a connection of its own -----------------------------------------
+@contextlib.contextmanager
+def transfer_connection(channel: tuple[str, int], secret: bytes, request: Message) -> Iterator[wire.ClientConnection]:
+    """A task's connection to the driver's channel for one transfer, opened with ``request``."""
+    conn = wire.connect(channel, wire.Credentials.of(secret, wire.ROLE_TASK), timeout=10)
+    try:
+        conn.sock.settimeout(TRANSFER_TIMEOUT_S)  # the driver answers, or sends a heartbeat, well within this
+        conn.send(request.to_json())
+        yield conn
+    finally:
+        conn.close()
+
+
+def upload_tree(channel: tuple[str, int], secret: bytes, root: Path, proof_dir: Path) -> None:
+    """Rank 0's task: hand ``root`` (its artifacts) to the driver, copied or streamed (``put``)."""
+    with transfer_connection(channel, secret, PutArtifacts()) as conn:
+        offer_tree(conn, root, proof_dir)
+
+
+def fetch_resume(channel: tuple[str, int], secret: bytes, dest: Path, partition: int) -> None:
+    """Copy the driver's ``resume_from`` folder to ``dest`` on this host (in the kernel if this host is
+    the driver's); ``partition``: this host's leader, the only one of its host the driver serves, once."""
+    with transfer_connection(channel, secret, FetchResume(partition)) as conn:
+        _mode, files = take_tree(conn, dest)
+        conn.send(Receipt(True, files=len(files)).to_json())
+
+
+def put_version(channel: tuple[str, int], secret: bytes, version: PutVersion, outbox: Path, proof_dir: Path,
+                intact: Callable[[], bool]) -> None:
+    """Rank 0's task: one checkpoint version (the changed files in ``outbox``), copied by the driver
+    or streamed, then whether the files stayed as they were while they travelled (``intact()``);
+    ``OSError`` if the driver did not commit it."""
+    with transfer_connection(channel, secret, version) as conn:
+        give_tree(conn, outbox, proof_dir)
+        wait_for(conn, Received)  # heartbeats while the driver copies
+        conn.send(Intact(intact()).to_json())
+        receipt = wait_for(conn, Receipt)
+        if not receipt.ok:
+            raise OSError(receipt.error or "the driver did not commit the version")
 
 
 # -- timeline -------------------------------------------------------------------------------------

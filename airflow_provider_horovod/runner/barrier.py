@@ -18,7 +18,8 @@ import traceback
 from collections.abc import Iterable
 from typing import Any
 
-from airflow_provider_horovod.runner import names, procs, wire
+from airflow_provider_horovod.runner import messages, names, procs, wire
+from airflow_provider_horovod.runner.artifacts import fetch_resume
 from airflow_provider_horovod.runner.channel import ChannelClient
 from airflow_provider_horovod.runner.dataset import spill
 from airflow_provider_horovod.runner.events import Failure
@@ -26,7 +27,6 @@ from airflow_provider_horovod.runner.host import (
     RunSpec,
     base_env,
     exit_text,
-    fetch_resume,
     hand_over_key,
     hand_over_rank_keys,
     missing_programs,
@@ -114,25 +114,22 @@ class ChannelCoordinator:
         self.partition = partition
 
     def plan(self, facts: TaskFacts, spec: RunSpec) -> Plan:
-        self.client.send({"t": names.MSG_FACTS, "facts": facts.to_json()})
-        msg = self.client.wait_for(names.MSG_PLAN)
-        if msg["t"] == names.MSG_STOP:
+        self.client.send(messages.Facts(facts))
+        msg = self.client.wait_for(messages.Planned)
+        if not isinstance(msg, messages.Planned):
             raise Stopped()
-        return Plan.from_json(msg["plan"])
+        return msg.plan
 
     def ready(self, plan: Plan, spec: RunSpec) -> None:
-        self.client.send({"t": names.MSG_READY, "partition": self.partition})
-        if self.client.wait_for(names.MSG_START)["t"] == names.MSG_STOP:
+        self.client.send(messages.Ready(self.partition))
+        if isinstance(self.client.wait_for(messages.Start), messages.Stop):
             raise Stopped()
 
     def finish(self, failure: Failure | None, tails: dict[str, list[str]]) -> None:
         """Report the ranks' end; wait until the driver releases every task (it holds the exec
         services of the other hosts until mpirun is done)."""
-        msg: dict[str, Any] = {"t": names.MSG_FINISHED, "partition": self.partition, "tails": tails}
-        if failure is not None:
-            msg["failure"] = failure.to_json()
-        self.client.send(msg)
-        while self.client.wait_for(names.MSG_RELEASE)["t"] != names.MSG_RELEASE:
+        self.client.send(messages.Finished(self.partition, tails, failure))
+        while not isinstance(self.client.wait_for(messages.Release), messages.Release):
             pass
 
 
@@ -175,7 +172,7 @@ class TaskServices:
             self._hnp_port.bind((address, 0))
         if spec.launcher == Launcher.MPIRUN:
             def on_launch(_argv: list[str]) -> None:
-                client.send({"t": names.MSG_EVENT, "kind": "orted-launched", "partition": partition, "executor": executor})
+                client.send(messages.Event("orted-launched", partition=partition, executor=executor))
 
             self.exec_service = ExecService(address, spec.secret, env, os.getpid(), on_launch, log_path=task.orted_log)
         if spec.launcher == Launcher.GLOO and partition == 0:
@@ -222,7 +219,7 @@ def prepare(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: 
     if services.exec_service is not None:
         services.exec_service.expect(plan, partition)
     if spec.has_resume and plan.host_leader(slot.hostname).partition == partition:
-        fetch_resume(spec, task.resume, partition)  # over the channel: the engine refuses resume_from without one
+        fetch_resume(spec.channel, spec.secret, task.resume, partition)  # over the channel: the engine refuses resume_from without one
     if services.rendezvous is not None:
         services.rendezvous.init(plan)
 
@@ -284,7 +281,7 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
         raise TaskFailure(unreachable_driver(spec.channel, partition, executor, client.connect_error))
     coordinator = ChannelCoordinator(client, partition) if client.connected else SparkCoordinator(ctx)
     endpoint = task_endpoint(client.source_address, executor)  # one rule for Gloo and mpirun
-    client.send({"t": names.MSG_HELLO, "partition": partition, "executor": executor})
+    client.send(messages.Hello(partition, executor))
     services = None
     try:
         task.payload.write_bytes(spec.payload)

@@ -26,12 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_horovod.runner import names, network, wire
-from airflow_provider_horovod.runner.artifacts import Limits, TransferError, offer_tree, take_tree
+from airflow_provider_horovod.runner import messages, names, network, wire
+from airflow_provider_horovod.runner.artifacts import TRANSFER_TIMEOUT_S, Limits, offer_tree, take_tree
 from airflow_provider_horovod.runner.events import (
     Event,
     FactsReported,
-    Failure,
     RankFailed,
     TaskFinished,
     TaskLost,
@@ -40,7 +39,8 @@ from airflow_provider_horovod.runner.events import (
     UploadFinished,
     UploadStarted,
 )
-from airflow_provider_horovod.runner.plan import Plan, TaskFacts
+from airflow_provider_horovod.runner.messages import Mode, Receipt, Received, TransferError
+from airflow_provider_horovod.runner.plan import Plan
 from airflow_provider_horovod.runner.text import one_line
 
 log = logging.getLogger(__name__)
@@ -83,12 +83,13 @@ def _logging_takes_rank_lines() -> bool:
 
 
 # What each role may say: a rank process only reports its output and its failure.
+_RANK_SAYS = (messages.Logs, messages.Error, messages.Event)
 _ALLOWED = {
-    wire.ROLE_RANK: {names.MSG_LOGS, names.MSG_ERROR, names.MSG_EVENT},
-    wire.ROLE_TASK: {names.MSG_HELLO, names.MSG_FACTS, names.MSG_READY, names.MSG_FINISHED, names.MSG_ERROR,
-                     names.MSG_EVENT, names.MSG_LOGS, names.MSG_PUT, names.MSG_FETCH_RESUME, names.MSG_PUT_VERSION},
+    wire.ROLE_RANK: {m.TYPE for m in _RANK_SAYS},
+    wire.ROLE_TASK: {m.TYPE for m in (*_RANK_SAYS, messages.Hello, messages.Facts, messages.Ready, messages.Finished,
+                                      messages.PutArtifacts, messages.FetchResume, messages.PutVersion)},
 }
-TRANSFER_TIMEOUT_S = 60.0  # a transfer's peer sends a frame or a heartbeat well within this
+NO_ARTIFACTS = "this run collects no artifacts"
 MAX_PENDING = 64  # connections in their handshake at once
 MAX_PENDING_PER_SOURCE = 16  # of those, from one address: a host's tasks and ranks, never all of them
 
@@ -186,13 +187,13 @@ class Channel:
             conn.close()
 
     # -- what the driver says --------------------------------------------------------------------
-    def send_tasks(self, msg: dict[str, Any]) -> None:
-        """``msg`` to every barrier task (``stop``: end your ranks now; ``start``; ``release``)."""
+    def send_tasks(self, msg: messages.Message) -> None:
+        """``msg`` to every barrier task (``Planned``, ``Start``, ``Release``; ``Stop``: end your ranks now)."""
         with self._lock:
             conns = list(self._tasks.values())
         for conn in conns:
             with contextlib.suppress(OSError):
-                conn.send(msg)
+                conn.send(msg.to_json())
 
     # -- what the driver reads -------------------------------------------------------------------
     def tails(self) -> dict[int, list[str]]:
@@ -227,27 +228,21 @@ class Channel:
         rank = wire.rank_of(conn.role)
         try:
             while True:
-                msg = conn.recv()
+                raw = conn.recv()
                 if rank is not None:
-                    msg["rank"] = rank  # a rank speaks only for itself, whatever its frames say
-                kind = msg.get("t")
-                if kind not in allowed:
-                    raise wire.ProtocolError("a %s may not send %r" % (conn.role, kind))
-                if kind == names.MSG_HELLO:
-                    partition = int(msg["partition"])
+                    raw["rank"] = rank  # a rank speaks only for itself, whatever its frames say
+                if raw.get("t") not in allowed:
+                    raise wire.ProtocolError("a %s may not send %r" % (conn.role, raw.get("t")))
+                msg = messages.decode(raw)
+                if isinstance(msg, messages.Hello):
+                    partition = msg.partition
                     with self._lock:
                         self._tasks[partition] = conn
-                    self._emit(TaskStarted(partition, str(msg.get("executor"))))
-                elif kind == names.MSG_PUT_VERSION:
-                    conn.sock.settimeout(TRANSFER_TIMEOUT_S)
-                    self._receive_version(conn, msg)
-                elif kind in (names.MSG_PUT, names.MSG_FETCH_RESUME):
+                    self._emit(TaskStarted(partition, msg.executor))
+                elif isinstance(msg, (messages.PutVersion, messages.PutArtifacts, messages.FetchResume)):
                     # a transfer connection: never sent orders (only tasks' own connections are)
                     conn.sock.settimeout(TRANSFER_TIMEOUT_S)
-                    if kind == names.MSG_PUT:
-                        self._receive_artifacts(conn)
-                    else:
-                        self._send_resume(conn, msg)
+                    self._transfer(conn, msg)
                 else:
                     self._handle(msg)
         except wire.AuthenticationError as err:
@@ -266,39 +261,39 @@ class Channel:
             if lost:
                 self._emit(TaskLost(partition))
 
-    def _handle(self, msg: dict[str, Any]) -> None:
-        kind = msg.get("t")
-        if kind == names.MSG_LOGS:
-            if not isinstance(msg["lines"], list):
-                raise wire.ProtocolError("logs whose lines are not a list")
-            self.lines(int(msg["rank"]), [str(line) for line in msg["lines"]], callback=bool(msg.get("callback")),
-                       quiet=bool(msg.get("quiet")))
-        elif kind == names.MSG_FACTS:
-            self._emit(FactsReported(TaskFacts.from_json(msg["facts"])))
-        elif kind == names.MSG_READY:
-            self._emit(TaskReady(int(msg["partition"])))
-        elif kind == names.MSG_FINISHED:
-            partition = int(msg["partition"])
+    def _handle(self, msg: messages.Message) -> None:
+        if isinstance(msg, messages.Logs):
+            self.lines(msg.rank, msg.lines, callback=msg.callback, quiet=msg.quiet)
+        elif isinstance(msg, messages.Facts):
+            self._emit(FactsReported(msg.facts))
+        elif isinstance(msg, messages.Ready):
+            self._emit(TaskReady(msg.partition))
+        elif isinstance(msg, messages.Finished):
             with self._lock:
-                self._finished.add(partition)
-            if msg.get("tails"):
-                with self._lock:
-                    for rank, lines in msg["tails"].items():
-                        if not self._tails.get(int(rank)):
-                            self._tails[int(rank)].extend(lines)
-            failure = Failure.from_json(msg["failure"]) if msg.get("failure") else None
-            self._emit(TaskFinished(partition, failure))
-        elif kind == names.MSG_ERROR:
-            self._emit(RankFailed(Failure.from_json(msg)))
-        elif kind == names.MSG_EVENT:
-            self.record({k: v for k, v in msg.items() if k != "t"})
+                self._finished.add(msg.partition)
+                for rank, lines in msg.tails.items():
+                    if not self._tails.get(int(rank)):
+                        self._tails[int(rank)].extend(lines)
+            self._emit(TaskFinished(msg.partition, msg.failure))
+        elif isinstance(msg, messages.Error):
+            self._emit(RankFailed(msg.failure))
+        elif isinstance(msg, messages.Event):
+            self.record(msg.recorded())
+
+    def _transfer(self, conn: wire.ServerConnection, msg: messages.Message) -> None:
+        if isinstance(msg, messages.PutVersion):
+            self._receive_version(conn, msg)
+        elif isinstance(msg, messages.PutArtifacts):
+            self._receive_artifacts(conn)
+        else:
+            self._send_resume(conn, msg)
 
     def _receive_artifacts(self, conn: wire.ServerConnection) -> None:
         """Rank 0's artifacts into the staging folder: copied here if its folder is on this host, else streamed."""
         if self._artifact_staging is None:
             conn.recv()  # the offer
-            conn.send({"mode": "none"})
-            conn.send({"ok": False, "error": "this run collects no artifacts"})
+            conn.send(Mode("none").to_json())
+            conn.send(Receipt(False, NO_ARTIFACTS).to_json())
             return
         self._emit(UploadStarted())
         began = time.monotonic()
@@ -312,32 +307,32 @@ class Channel:
             self.upload_error = err
             self._emit(UploadFinished(error=str(err)))
             with contextlib.suppress(OSError):
-                conn.send({"ok": False, "error": str(err)})
+                conn.send(Receipt(False, str(err)).to_json())
             raise ConnectionError(str(err)) from err
         except BaseException:
             self._emit(UploadFinished(error="the transfer was cut off"))
             raise
         self._emit(UploadFinished())  # everything is in staging, whether or not the receipt reaches the task
-        conn.send({"ok": True, "files": len(self.received)})
+        conn.send(Receipt(True, files=len(self.received)).to_json())
 
-    def _receive_version(self, conn: wire.ServerConnection, msg: dict[str, Any]) -> None:
+    def _receive_version(self, conn: wire.ServerConnection, msg: messages.PutVersion) -> None:
         """One checkpoint version from rank 0's task: its changed files, then commit (``VersionSink``)."""
         sink = self._versions
         if sink is None:
             conn.recv()  # the offer
-            conn.send({"mode": "none"})
-            conn.send({"received": 0})
-            conn.send({"ok": False, "error": "this run collects no artifacts"})
+            conn.send(Mode("none").to_json())
+            conn.send(Received(0).to_json())
+            conn.send(Receipt(False, NO_ARTIFACTS).to_json())
             return
         with sink.lock:
             staging = sink.fresh_staging()
             _mode, received = take_tree(conn, staging, allow_copy=self._same_host_copy, cancelled=self._closed.is_set,
                                         root_ok=self._may_copy_from, limits=self._limits)
-            conn.send({"received": len(received)})
-            intact = conn.recv().get("intact") is True
+            conn.send(Received(len(received)).to_json())
+            intact = messages.Intact.from_json(conn.recv()).intact
             error = sink.commit(msg, [f["path"] for f in received]) if intact else \
                 "a file changed while it was sent (rewritten in place); a newer version follows"
-        conn.send({"ok": error is None, "error": error})
+        conn.send(Receipt(error is None, error).to_json())
 
     def _chose(self, mode: str) -> None:
         self.transport = mode
@@ -350,9 +345,9 @@ class Channel:
         return pinned is not None and root.name in (names.ARTIFACTS_DIR, names.OUTBOX_DIR) and \
             str(root.parent) == os.path.normpath(pinned)
 
-    def _send_resume(self, conn: wire.ServerConnection, msg: dict[str, Any]) -> None:
+    def _send_resume(self, conn: wire.ServerConnection, msg: messages.FetchResume) -> None:
         """``resume_from``, to each host leader of the plan once; anyone else is hung up on."""
-        partition = msg.get("partition")
+        partition = msg.partition
         with self._lock:
             due = partition in self._resume_due
             self._resume_due.discard(partition)
@@ -388,7 +383,7 @@ class ChannelClient:
         ``on_stop`` is called when the driver sends ``stop``."""
         self._closing = False
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=10000)
-        self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._inbox: queue.Queue[messages.Message | None] = queue.Queue()
         self._conn: wire.ClientConnection | None = None
         self._thread: threading.Thread | None = None
         self.stopped = threading.Event()
@@ -409,8 +404,8 @@ class ChannelClient:
         """Orders from the driver go to the inbox; a hang-up before ``close()`` means cancel (or a dead driver)."""
         with contextlib.suppress(Exception):
             while True:
-                msg = conn.recv()
-                if msg.get("t") == names.MSG_STOP:
+                msg = messages.decode(conn.recv())
+                if isinstance(msg, messages.Stop):
                     self.stopped.set()
                     if on_stop is not None:
                         on_stop()
@@ -429,28 +424,28 @@ class ChannelClient:
         the address this host is reached at (``network.task_endpoint``)."""
         return network.source_address(self._conn.sock) if self._conn is not None else None
 
-    def wait_for(self, *kinds: str, timeout: float | None = None) -> dict[str, Any]:
-        """The next order of one of ``kinds`` (or ``stop``); ``ConnectionError`` if the driver hung up."""
+    def wait_for(self, *kinds: type[messages.Message], timeout: float | None = None) -> messages.Message:
+        """The next order of one of ``kinds`` (or ``Stop``); ``ConnectionError`` if the driver hung up."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 msg = self._inbox.get(timeout=left)
             except queue.Empty:
-                raise TimeoutError("no %s from the driver within %ss" % ("/".join(kinds), timeout)) from None
+                raise TimeoutError("no %s from the driver within %ss" % ("/".join(k.TYPE for k in kinds), timeout)) from None
             if msg is None:
                 self._inbox.put(None)
                 raise ConnectionError("the driver hung up")
-            if msg.get("t") in kinds or msg.get("t") == names.MSG_STOP:
+            if isinstance(msg, (*kinds, messages.Stop)):
                 return msg
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: messages.Message) -> None:
         if self._conn is None:
             return
         with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(msg)
+            self._queue.put_nowait(msg.to_json())
 
-    def send_now(self, msg: dict[str, Any], timeout: float = 5.0) -> None:
+    def send_now(self, msg: messages.Message, timeout: float = 5.0) -> None:
         """Queue ``msg`` and wait (bounded) until everything queued so far is written."""
         if self._conn is None:
             return

@@ -260,18 +260,12 @@ def upload_artifacts(spec: RunSpec, task: TaskDir) -> Failure | None:
     The driver copies them itself when it can prove it sees this folder (same host), otherwise
     they are streamed over the channel.
     """
-    from airflow_provider_horovod.runner.artifacts import RefusedError, offer_tree
+    from airflow_provider_horovod.runner.artifacts import RefusedError, upload_tree
 
     if not spec.collect_artifacts or spec.channel is None:
         return None
     try:
-        conn = wire.connect(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), timeout=10)
-        try:
-            conn.sock.settimeout(60)  # the driver answers, or sends a heartbeat, well within this
-            conn.send({"t": names.MSG_PUT})
-            offer_tree(conn, task.artifacts, task.path)
-        finally:
-            conn.close()
+        upload_tree(spec.channel, spec.secret, task.artifacts, task.path)
     except RefusedError:
         return None  # the driver refused them and recorded why: its verdict names it (with the result)
     except (OSError, ValueError) as err:
@@ -279,21 +273,6 @@ def upload_artifacts(spec: RunSpec, task: TaskDir) -> Failure | None:
                        % (spec.channel[0], spec.channel[1], err or type(err).__name__), rank=0,
                        exception="%s: %s" % (type(err).__name__, err))
     return None
-
-
-def fetch_resume(spec: RunSpec, dest: Path, partition: int) -> None:
-    """Copy the driver's ``resume_from`` folder to ``dest`` on this host (in the kernel if this host is
-    the driver's); ``partition``: this host's leader, the only one of its host the driver serves, once."""
-    from airflow_provider_horovod.runner.artifacts import take_tree
-
-    conn = wire.connect(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), timeout=10)
-    try:
-        conn.sock.settimeout(60)
-        conn.send({"t": names.MSG_FETCH_RESUME, "partition": partition})
-        _mode, files = take_tree(conn, dest)
-        conn.send({"ok": True, "files": len(files)})
-    finally:
-        conn.close()
 
 
 def result_rows(partition: int, kind: str, data: bytes, chunk: int) -> list[dict[str, Any]]:

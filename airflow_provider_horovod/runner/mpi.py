@@ -26,6 +26,7 @@ from pathlib import Path
 
 from airflow_provider_horovod.runner import procs, wire
 from airflow_provider_horovod.runner.host import OPEN_MPI_PROGRAMS, WORKER
+from airflow_provider_horovod.runner.messages import LaunchOrted, OrtedExited, OrtedStarted
 from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, new_temp_dir
 from airflow_provider_horovod.runner.plan import Plan
 
@@ -209,11 +210,12 @@ class ExecService:
         proc = None
         try:
             conn.sock.settimeout(30)
-            request = conn.recv()
+            raw = conn.recv()
             conn.sock.settimeout(None)
-            words = request.get("words")
-            if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-                raise OrtedRefused("a request without a list of words")
+            try:
+                words = LaunchOrted.from_json(raw).words
+            except wire.ProtocolError as err:
+                raise OrtedRefused(str(err)) from err
             argv = orted_argv(words)  # raises ValueError for anything but orted
             with self._lock:
                 if self._closed:
@@ -234,7 +236,7 @@ class ExecService:
             self._stop_listening()  # one orted per host: nothing more to serve
             if self._on_launch is not None:
                 self._on_launch(argv)
-            conn.send({"started": proc.pid})
+            conn.send(OrtedStarted(proc.pid).to_json())
             # The agent holds the connection open while orted runs, as ssh would; if it goes away
             # (mpirun was killed), orted goes too.
             gone = threading.Event()
@@ -254,7 +256,7 @@ class ExecService:
             if proc.returncode:
                 self._note("orted ended with %s" % proc.returncode)
             with contextlib.suppress(OSError):
-                conn.send({"exit": proc.returncode})
+                conn.send(OrtedExited(proc.returncode).to_json())
         except (wire.AuthenticationError, ValueError, KeyError, TypeError) as err:
             with self._lock:
                 self.refused += 1

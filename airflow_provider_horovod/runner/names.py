@@ -1,7 +1,8 @@
 """Names the driver, the barrier tasks and the rank processes share, defined once.
 
-Three contracts live here: the ``HVDRUNNER_*`` environment of a rank process, the layout of a
-task folder (one per barrier task, or one for ``np < 0``), and the message types on the channel.
+Two contracts live here: the ``HVDRUNNER_*`` environment of a rank process and the layout of a
+task folder (one per barrier task, or one for ``np < 0``). The messages on the channel are in
+``messages.py``.
 """
 
 from __future__ import annotations
@@ -142,19 +143,3 @@ class TaskDir:
 
 
 TAIL_LINES = 100  # the last lines of a rank kept for its failure report (rank, task and driver alike)
-
-# -- channel messages (the ``t`` field of every frame) ------------------------------------------
-MSG_HELLO = "hello"  # task -> driver: partition and executor, first on its connection
-MSG_FACTS = "facts"  # task -> driver: TaskFacts
-MSG_PLAN = "plan"  # driver -> task: the plan
-MSG_READY = "ready"  # task -> driver: prepared (resume fetched, rendezvous initialised)
-MSG_START = "start"  # driver -> task: start the ranks
-MSG_FINISHED = "finished"  # task -> driver: its ranks ended (with a failure report or none)
-MSG_RELEASE = "release"  # driver -> task: every task finished; return
-MSG_STOP = "stop"  # driver -> task: end your ranks now
-MSG_LOGS = "logs"  # rank -> driver: lines of output
-MSG_ERROR = "error"  # rank/task -> driver: a failure report
-MSG_EVENT = "event"  # task -> driver: something to record (orted launched, ...)
-MSG_PUT = "put"  # rank 0's task -> driver: its artifacts follow
-MSG_FETCH_RESUME = "fetch-resume"  # task -> driver: send resume_from
-MSG_PUT_VERSION = "put-version"  # rank 0's task -> driver: one checkpoint version follows

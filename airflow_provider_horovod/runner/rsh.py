@@ -14,6 +14,7 @@ import signal
 import sys
 
 from airflow_provider_horovod.runner import wire
+from airflow_provider_horovod.runner.messages import LaunchOrted, OrtedExited
 from airflow_provider_horovod.runner.names import AGENT_LOG, ENV_EXEC_SERVICES, ENV_PLAN, EXEC_KEY
 
 
@@ -53,11 +54,11 @@ def _run(argv: list[str]) -> int:
         key = bytes.fromhex(f.read())
     conn = wire.connect((addr, int(port)), wire.Credentials(wire.ROLE_EXEC, key), timeout=30)
     signal.signal(signal.SIGTERM, lambda *_: (conn.close(), os._exit(143)))
-    conn.send({"words": words})
+    conn.send(LaunchOrted(words).to_json())
     code = 255
     with contextlib.suppress(ConnectionError, OSError, ValueError):
-        conn.recv()  # {"started": pid}
-        code = int(conn.recv().get("exit", 255))
+        conn.recv()  # OrtedStarted
+        code = OrtedExited.from_json(conn.recv()).code
     conn.close()
     return code if code >= 0 else 128 - code
 

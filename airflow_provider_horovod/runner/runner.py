@@ -28,7 +28,7 @@ from airflow_provider_horovod.exceptions import (
     RunCancelledError,
     rank_error,
 )
-from airflow_provider_horovod.runner import executors, names, procs, wire
+from airflow_provider_horovod.runner import executors, messages, names, procs, wire
 from airflow_provider_horovod.runner.artifacts import Limits, check_writable, commit
 from airflow_provider_horovod.runner.barrier import ERROR_MARKER, TaskFailure, check_facts, parse_failure, run_local
 from airflow_provider_horovod.runner.channel import Channel, RankOutput
@@ -315,13 +315,13 @@ class HorovodRunner:
             if isinstance(action, SendPlan):
                 channel.record({"kind": "plan", "slots": slot_summary(action.plan)})
                 channel.expect_plan(action.plan)
-                channel.send_tasks({"t": names.MSG_PLAN, "plan": action.plan.to_json()})
+                channel.send_tasks(messages.Planned(action.plan))
             elif isinstance(action, SendStart):
-                channel.send_tasks({"t": names.MSG_START})
+                channel.send_tasks(messages.Start())
             elif isinstance(action, Release):
-                channel.send_tasks({"t": names.MSG_RELEASE})
+                channel.send_tasks(messages.Release())
             elif isinstance(action, Stop):
-                channel.send_tasks({"t": names.MSG_STOP})
+                channel.send_tasks(messages.Stop())
             elif isinstance(action, CutOff):
                 log.info("The barrier tasks did not end after the stop request (%s); cutting them off", sup.reason)
                 channel.close()  # tasks take the hang-up as cancel and stop at once

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.runner import names, wire
-from airflow_provider_horovod.runner.artifacts import in_progress, make_offer, send_tree
+from airflow_provider_horovod.runner.artifacts import in_progress, put_version
+from airflow_provider_horovod.runner.messages import PutVersion
 
 log = logging.getLogger(__name__)
 
@@ -221,42 +222,21 @@ class Shipper(threading.Thread):
         self._ship(meta, stats)
 
     def _ship(self, meta: dict[str, Any], stats: dict[str, Stat]) -> None:
+        """One version over the channel: the header, the changed files (copied by the driver when it
+        sees this folder, else streamed), then whether they stayed as they were while they travelled."""
         sent = {rel: stats[rel][:2] for rel in self._changed(stats)}
+        version = PutVersion(step=meta.get("step"), metrics=meta.get("metrics") or {},
+                             manifest={rel: st[0] for rel, st in stats.items()})
         try:
-            if self._send(meta, stats, sent):
-                self._base = stats
-                self.shipped += 1
+            put_version(self._channel, self._secret, version, self.outbox, self.task.path,
+                        intact=lambda: {rel: st[:2] for rel, st in file_stats(self.outbox).items()} == sent)
+            self._base = stats
+            self.shipped += 1
         except (OSError, ValueError, wire.ProtocolError) as err:
             self.errors.append(str(err))
             log.warning("A checkpoint version did not reach the driver: %s", err)
         finally:
             shutil.rmtree(self.outbox, ignore_errors=True)
-
-    def _send(self, meta: dict[str, Any], stats: dict[str, Stat], sent: dict[str, tuple[int, int]]) -> bool:
-        """One version over the channel: the header, the changed files (copied by the driver when it
-        sees this folder, else streamed), then whether they stayed as they were while they travelled."""
-        outbox = self.outbox
-        conn = wire.connect(self._channel, wire.Credentials.of(self._secret, wire.ROLE_TASK), timeout=10)
-        try:
-            conn.sock.settimeout(60)
-            conn.send({"t": names.MSG_PUT_VERSION, "step": meta.get("step"), "metrics": meta.get("metrics") or {},
-                       "manifest": {rel: st[0] for rel, st in stats.items()}})
-            offer = None
-            with contextlib.suppress(OSError):
-                offer = make_offer(outbox, self.task.path)
-            conn.send({"offer": offer})
-            if conn.recv().get("mode") == "stream":
-                send_tree(conn, outbox)
-            while "received" not in conn.recv():
-                pass  # heartbeats while the driver copies
-            conn.send({"intact": {rel: st[:2] for rel, st in file_stats(outbox).items()} == sent})
-            while "ok" not in (receipt := conn.recv()):
-                pass
-            if not receipt["ok"]:
-                raise OSError(receipt.get("error") or "the driver did not commit the version")
-            return True
-        finally:
-            conn.close()
 
 
 @contextlib.contextmanager

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_horovod.runner.artifacts import Limits, safe_relative
+from airflow_provider_horovod.runner.artifacts import Limits
+from airflow_provider_horovod.runner.messages import PutVersion, safe_relative
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +155,14 @@ class VersionSink:
         self.staging.mkdir(parents=True)
         return self.staging
 
-    def commit(self, msg: dict[str, Any], sent: list[str]) -> str | None:
+    def commit(self, msg: PutVersion, sent: list[str]) -> str | None:
         """Commit the version ``msg`` announced; ``None``, or why it was not committed."""
         try:
-            manifest = self._manifest(msg.get("manifest"))
+            manifest = self._manifest(msg.manifest)
             if not set(sent) <= set(manifest):
                 raise ValueError("files were sent that the version does not list")
             version, path = commit_version(self.artifact_dir, self.staging, manifest, sent,
-                                           step=_step(msg.get("step")), metrics=_metrics(msg.get("metrics")))
+                                           step=_step(msg.step), metrics=_metrics(msg.metrics))
         except (OSError, ValueError, TypeError) as err:
             log.warning("Checkpoint version not committed in %s: %s", self.artifact_dir, err)
             return "cannot commit the checkpoint version in %s: %s" % (self.artifact_dir, err)

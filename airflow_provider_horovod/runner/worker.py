@@ -18,7 +18,8 @@ import time
 import traceback
 from pathlib import Path
 
-from airflow_provider_horovod.runner.names import MSG_LOGS, TAIL_LINES
+from airflow_provider_horovod.runner.messages import Error, Logs
+from airflow_provider_horovod.runner.names import TAIL_LINES
 
 FLUSH_INTERVAL_S = 0.2  # how often new lines go to the driver
 FOLLOW_INTERVAL_S = 0.1  # how often the log file is read for new lines (a wake-up beside training: rare)
@@ -98,10 +99,7 @@ class OutputPump:
         with self._lock:
             lines, self._pending = self._pending, []
         if lines and self.client is not None:
-            msg = {"t": MSG_LOGS, "rank": self.rank, "lines": lines}
-            if not self.stream:
-                msg["quiet"] = True
-            self.client.send(msg)
+            self.client.send(Logs(self.rank, lines, quiet=not self.stream))
 
     def close(self) -> None:
         """Send everything printed so far (bounded wait). What the interpreter prints while it
@@ -173,7 +171,6 @@ def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
     from airflow_provider_horovod.exceptions import provider_class_name
     from airflow_provider_horovod.runner.events import Failure
     from airflow_provider_horovod.runner.host import where
-    from airflow_provider_horovod.runner.names import MSG_ERROR
 
     text = traceback.format_exc()
     sys.stderr.write(text)
@@ -188,7 +185,7 @@ def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
         with contextlib.suppress(OSError):
             task.error(rank).write_text(json.dumps(failure.to_json()))
     if client is not None:
-        client.send_now({"t": MSG_ERROR, **failure.to_json()})
+        client.send_now(Error(failure))
         client.close()
 
 

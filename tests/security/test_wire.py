@@ -16,6 +16,7 @@ import pytest
 from airflow_provider_horovod.runner import wire
 from airflow_provider_horovod.runner.channel import Channel, ChannelClient
 from airflow_provider_horovod.runner.events import TaskStarted
+from airflow_provider_horovod.runner.messages import Logs
 from tests.security.attacker import RANK, SECRET, TASK, hung_up, raw_hello, settle
 
 # A driver's channel in a process of its own, so its memory and file descriptors can be measured
@@ -48,7 +49,7 @@ def channel_process(request):
 def _say(address, line: str) -> None:
     client = ChannelClient(address, RANK)
     assert client.connected
-    client.send({"t": "logs", "rank": 0, "lines": [line]})
+    client.send(Logs(0, [line]))
     client.close()
 
 

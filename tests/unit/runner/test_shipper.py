@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_horovod import runtime
-from airflow_provider_horovod.runner import names, shipper, versions, wire
+from airflow_provider_horovod.runner import artifacts, names, shipper, versions, wire
 from airflow_provider_horovod.runner.artifacts import Limits
 from airflow_provider_horovod.runner.channel import Channel
 
@@ -135,7 +135,7 @@ def test_a_writer_faster_than_the_link_is_coalesced_and_rank_0_holds_at_most_two
 
 
 def test_a_file_rewritten_in_place_while_it_travels_is_never_committed_half_new(run, monkeypatch):
-    original = shipper.send_tree
+    original = artifacts.send_tree  # what the version exchange streams with (artifacts.give_tree)
 
     def rewrite_then_send(conn, root):
         path = root / "model.pt"
@@ -144,7 +144,7 @@ def test_a_file_rewritten_in_place_while_it_travels_is_never_committed_half_new(
                 f.write(b"b")
         return original(conn, root)
 
-    monkeypatch.setattr(shipper, "send_tree", rewrite_then_send)
+    monkeypatch.setattr(artifacts, "send_tree", rewrite_then_send)
     monkeypatch.setenv(names.ENV_ARTIFACT_TRANSPORT, "stream")
     r = run()
     (r.folder / "model.pt").write_bytes(b"a" * 100)

@@ -6,11 +6,12 @@ import queue
 import threading
 from types import SimpleNamespace
 
-from airflow_provider_horovod.runner import barrier, names, wire
+from airflow_provider_horovod.runner import barrier, wire
 from airflow_provider_horovod.runner.barrier import run_task
 from airflow_provider_horovod.runner.channel import Channel
 from airflow_provider_horovod.runner.events import TaskFinished, TaskStarted
 from airflow_provider_horovod.runner.host import RunSpec
+from airflow_provider_horovod.runner.messages import Release
 
 
 class FakeBarrierContext:
@@ -52,7 +53,7 @@ def test_a_task_that_fails_before_its_ranks_start_reports_it_and_waits_to_be_rel
                                             "RuntimeError: the resource profile went away")
         assert "ctx.resources()" in finished.failure.traceback
         assert task.is_alive()  # it waits for the driver's release (other hosts may still need its services)
-        channel.send_tasks({"t": names.MSG_RELEASE})
+        channel.send_tasks(Release())
         task.join(10)
         assert not task.is_alive() and rows == []
     finally:

@@ -91,6 +91,7 @@ _ALLOWED = {
 }
 NO_ARTIFACTS = "this run collects no artifacts"
 MAX_PENDING = 64  # connections in their handshake at once
+CLOSE_WAIT_S = 3.0  # how long close() waits for a transfer to put down the chunk in hand (within the cancel's 10 s)
 MAX_PENDING_PER_SOURCE = 16  # of those, from one address: a host's tasks and ranks, never all of them
 
 
@@ -125,6 +126,8 @@ class Channel:
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
+        self._transfers = 0  # transfer connections being served: close() waits for them (bounded)
+        self._transfers_done = threading.Condition(self._lock)
         self._conns: set[wire.ServerConnection] = set()
         self._tasks: dict[int, wire.ServerConnection] = {}
         self._finished: set[int] = set()
@@ -185,6 +188,8 @@ class Channel:
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
             conn.close()
+        with self._lock:  # a copy checks the cancel between chunks: let the chunk in hand land first,
+            self._transfers_done.wait_for(lambda: self._transfers == 0, CLOSE_WAIT_S)  # then nothing more is written
 
     # -- what the driver says --------------------------------------------------------------------
     def send_tasks(self, msg: messages.Message) -> None:
@@ -242,7 +247,7 @@ class Channel:
                 elif isinstance(msg, (messages.PutVersion, messages.PutArtifacts, messages.FetchResume)):
                     # a transfer connection: never sent orders (only tasks' own connections are)
                     conn.sock.settimeout(TRANSFER_TIMEOUT_S)
-                    self._transfer(conn, msg)
+                    self._serve_transfer(conn, msg)
                 else:
                     self._handle(msg)
         except wire.AuthenticationError as err:
@@ -279,6 +284,16 @@ class Channel:
             self._emit(RankFailed(msg.failure))
         elif isinstance(msg, messages.Event):
             self.record(msg.recorded())
+
+    def _serve_transfer(self, conn: wire.ServerConnection, msg: messages.Message) -> None:
+        with self._lock:
+            self._transfers += 1
+        try:
+            self._transfer(conn, msg)
+        finally:
+            with self._lock:
+                self._transfers -= 1
+                self._transfers_done.notify_all()
 
     def _transfer(self, conn: wire.ServerConnection, msg: messages.Message) -> None:
         if isinstance(msg, messages.PutVersion):

@@ -524,11 +524,12 @@ def fetch_resume(channel: tuple[str, int], secret: bytes, dest: Path, partition:
 
 
 def put_version(channel: tuple[str, int], secret: bytes, version: PutVersion, outbox: Path, proof_dir: Path,
-                intact: Callable[[], bool]) -> None:
+                intact: Callable[[], bool], opened: Callable[[wire.ClientConnection], None] = lambda conn: None) -> None:
     """Rank 0's task: one checkpoint version (the changed files in ``outbox``), copied by the driver
     or streamed, then whether the files stayed as they were while they travelled (``intact()``);
-    ``OSError`` if the driver did not commit it."""
+    ``OSError`` if the driver did not commit it. ``opened`` is told the connection (to cut it off)."""
     with transfer_connection(channel, secret, version) as conn:
+        opened(conn)
         give_tree(conn, outbox, proof_dir)
         wait_for(conn, Received)  # heartbeats while the driver copies
         conn.send(Intact(intact()).to_json())

@@ -11,6 +11,7 @@ import pickle
 import platform
 import queue
 import re
+import shutil
 import signal
 import threading
 import time
@@ -397,6 +398,7 @@ class HorovodRunner:
         with sink.lock:  # a version still being committed comes first
             report.checkpoints = [v.to_json() for v in sink.committed]
             report.checkpoint_errors = list(sink.errors)
+            shutil.rmtree(sink.staging, ignore_errors=True)  # a version cut off at the end (the hand-over has it)
         complete = upload == Upload.DONE and channel.upload_error is None
         if upload == Upload.NONE and report.status == RunStatus.SUCCESS and channel.address is None:
             complete = True  # no channel to hand anything over (Spark's fallback): an empty, complete run

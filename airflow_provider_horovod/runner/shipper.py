@@ -27,6 +27,7 @@ import logging
 import os
 import select
 import shutil
+import socket
 import struct
 import threading
 import time
@@ -169,6 +170,7 @@ class Shipper(threading.Thread):
         self._base: dict[str, Stat] = {}  # what the driver's newest version holds
         self.shipped = 0
         self.errors: list[str] = []
+        self._conn: wire.ClientConnection | None = None  # the version in flight
 
     def run(self) -> None:
         dirty = False
@@ -183,8 +185,14 @@ class Shipper(threading.Thread):
         self._watch.close()
 
     def stop(self) -> None:
+        """A version still in flight after ``STOP_WAIT_S`` is cut off: the final hand-over carries
+        the same files, and two transfers would share the link (each at half its rate)."""
         self._stopping.set()
         self.join(STOP_WAIT_S)
+        if self.is_alive() and self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.sock.shutdown(socket.SHUT_RDWR)
+            self.join(STOP_WAIT_S)
 
     def _explicit(self) -> bool:
         return (self.task.path / names.COMMITS_DIR).is_dir()
@@ -229,14 +237,20 @@ class Shipper(threading.Thread):
                              manifest={rel: st[0] for rel, st in stats.items()})
         try:
             put_version(self._channel, self._secret, version, self.outbox, self.task.path,
-                        intact=lambda: {rel: st[:2] for rel, st in file_stats(self.outbox).items()} == sent)
+                        intact=lambda: {rel: st[:2] for rel, st in file_stats(self.outbox).items()} == sent,
+                        opened=self._opened)
             self._base = stats
             self.shipped += 1
         except (OSError, ValueError, wire.ProtocolError) as err:
-            self.errors.append(str(err))
-            log.warning("A checkpoint version did not reach the driver: %s", err)
+            if not self._stopping.is_set():  # cut off at the end: the final hand-over has it all
+                self.errors.append(str(err))
+                log.warning("A checkpoint version did not reach the driver: %s", err)
         finally:
+            self._conn = None
             shutil.rmtree(self.outbox, ignore_errors=True)
+
+    def _opened(self, conn: wire.ClientConnection) -> None:
+        self._conn = conn
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.runner.artifacts import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.events import Failure, RunReport, RunStatus
-from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, Launcher, check_options
+from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, DEFAULT_START_TIMEOUT_S, Launcher, check_options
 from airflow_provider_horovod.runner.payload import check_arguments
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
 from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
@@ -76,6 +76,10 @@ class HorovodRunnerOperator(BaseOperator):
     :param start_timeout: seconds to wait for enough free barrier slots and for every barrier task
         to start (120 by default). On a cluster shared with other jobs, a task that finds the slots
         taken waits this long before it fails with ``InsufficientSlotsError``.
+    :param stall_timeout: seconds a collective may wait for a rank that never submits it (uneven
+        batches, an exception swallowed on one rank) before Horovod shuts the job down; the try then
+        fails with ``stalled: rank 1 never submitted <tensor> (waited <n> s)`` instead of holding every
+        slot until ``execution_timeout`` (600 by default).
     :param max_artifact_bytes: the most rank 0's artifacts may hold (1 TiB by default); more fails
         the try with ``ArtifactError`` rather than fill the Airflow worker's disk.
     :param max_artifact_files: the most files rank 0's artifacts may hold (100 000 by default).
@@ -119,6 +123,7 @@ class HorovodRunnerOperator(BaseOperator):
         env: dict[str, str] | None = None,
         resume: str = RESUME_AUTO,
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
         max_artifact_bytes: int = Limits.max_bytes,
         max_artifact_files: int = Limits.max_files,
         keep_checkpoints: int = DEFAULT_KEEP,
@@ -128,7 +133,8 @@ class HorovodRunnerOperator(BaseOperator):
         super().__init__(**kwargs)
         # not templated: checked when the DAG is parsed, as the engine would check them
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
-                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline)
+                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline,
+                      stall_timeout=stall_timeout)
         check_when_parsed(training_callable, np=np, op_args=op_args, op_kwargs=op_kwargs, resume=resume)
         check_dataset(dataset)
         if dataset is not None and isinstance(np, int) and np < 0:
@@ -146,6 +152,7 @@ class HorovodRunnerOperator(BaseOperator):
         self.env = env or {}
         self.resume = resume
         self.start_timeout = start_timeout
+        self.stall_timeout = stall_timeout
         self.max_artifact_bytes = max_artifact_bytes
         self.max_artifact_files = max_artifact_files
         self.keep_checkpoints = check_keep(keep_checkpoints)
@@ -253,7 +260,7 @@ class HorovodRunnerOperator(BaseOperator):
                 self.training_callable, np=np, op_args=list(self.op_args), op_kwargs=dict(self.op_kwargs),
                 launcher=self.launcher, driver_log_verbosity=self.driver_log_verbosity, env=dict(self.env),
                 timeline=self.timeline, artifact_dir=local_dir, resume_from=resume_from,
-                start_timeout=self.start_timeout, max_artifact_bytes=self.max_artifact_bytes,
+                start_timeout=self.start_timeout, stall_timeout=self.stall_timeout, max_artifact_bytes=self.max_artifact_bytes,
                 max_artifact_files=self.max_artifact_files, keep_checkpoints=self.keep_checkpoints,
                 on_checkpoint=on_checkpoint, dataset=self.dataset_callable or self.dataset,
             )

@@ -25,8 +25,9 @@ from airflow_provider_horovod.runner.dataset import DatasetSpec
 from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.keras_guard import LEGACY_KERAS_ENV
 from airflow_provider_horovod.runner.names import TaskDir
-from airflow_provider_horovod.runner.options import Launcher
+from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, Launcher
 from airflow_provider_horovod.runner.plan import Plan, Slot, gloo_env
+from airflow_provider_horovod.runner.stall import stall_env
 
 WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.worker"]
 OPEN_MPI_PROGRAMS = ("mpirun", "orted")  # what mpirun needs on every host's PATH
@@ -45,6 +46,7 @@ class RunSpec:
     env: dict[str, str] = dataclasses.field(repr=False)
     driver_python: str
     gloo_timeout_s: int = 60
+    stall_timeout_s: int = int(DEFAULT_STALL_TIMEOUT_S)  # Horovod's stall shutdown (``stall.stall_env``)
     timeline: bool = False
     collect_artifacts: bool = False
     has_resume: bool = False
@@ -58,10 +60,13 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
     and none of the task's secrets (``names.is_secret_env``); the user's ``env=`` is passed as given.
 
     The launcher's contract is what ``horovodrun`` gives that launcher: under mpirun, MPI says who
-    is which rank and no ``HOROVOD_RANK`` & co are set (see ``names``).
+    is which rank and no ``HOROVOD_RANK`` & co are set (see ``names``). Horovod's stall check is
+    set from ``stall_timeout`` under both launchers (an orted passes its environment to its ranks);
+    the user's ``env=`` may still set it otherwise.
     """
     env = {k: v for k, v in os.environ.items()
            if k not in names.HOROVOD_RANK_CONTRACT and not names.is_secret_env(k)}
+    env.update(stall_env(spec.stall_timeout_s))
     env.update(spec.env)
     # Keras 2 (tf-keras) for horovod.tensorflow.keras; TensorFlow reads it at its first import
     env.setdefault(LEGACY_KERAS_ENV, "1")  # the user's own value (driver, executor or env=) wins

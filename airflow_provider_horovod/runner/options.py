@@ -16,10 +16,14 @@ class Launcher(enum.StrEnum):
 
 VERBOSITIES = ("all", "log_callback_only")
 DEFAULT_START_TIMEOUT_S = 120.0
+# a collective some rank never joins ends the run after this long: longer than any honest wait of
+# one rank for another (rank 0 saving or evaluating), far shorter than an execution_timeout
+DEFAULT_STALL_TIMEOUT_S = 600.0
 
 
 def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: float,
-                  max_artifact_bytes: int, max_artifact_files: int, timeline: bool = False) -> None:
+                  max_artifact_bytes: int, max_artifact_files: int, timeline: bool = False,
+                  stall_timeout: float = DEFAULT_STALL_TIMEOUT_S) -> None:
     """The engine's options that are checked without Spark: a ``ValueError`` that names the fix.
 
     ``HorovodRunner`` checks them when it is made; the operator when the DAG is parsed.
@@ -30,6 +34,8 @@ def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: fl
         raise ValueError("driver_log_verbosity must be one of %s; got %r" % (", ".join(VERBOSITIES), driver_log_verbosity))
     if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not 0 < start_timeout < float("inf"):
         raise ValueError("start_timeout must be a positive number of seconds; got %r" % (start_timeout,))
+    if isinstance(stall_timeout, bool) or not isinstance(stall_timeout, (int, float)) or not 0 < stall_timeout < float("inf"):
+        raise ValueError("stall_timeout must be a positive number of seconds; got %r" % (stall_timeout,))
     for name, value in (("max_artifact_bytes", max_artifact_bytes), ("max_artifact_files", max_artifact_files)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError("%s must be a positive int; got %r" % (name, value))

@@ -37,9 +37,10 @@ from airflow_provider_horovod.runner.dataset import DatasetSpec, check_dataset, 
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport, RunStatus
 from airflow_provider_horovod.runner.host import RunSpec
-from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, Launcher, check_options
+from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, DEFAULT_START_TIMEOUT_S, Launcher, check_options
 from airflow_provider_horovod.runner.payload import build_payload, describe
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
+from airflow_provider_horovod.runner.stall import stall_in, whole_seconds
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, Version, VersionSink, check_keep
 from airflow_provider_horovod.runner.versions import committed as committed_versions
 from airflow_provider_horovod.runner.supervisor import (
@@ -89,6 +90,10 @@ class HorovodRunner:
     :param spark: the SparkSession to use; else the active one; else ``getOrCreate()``.
     :param env: extra environment variables for every rank process.
     :param start_timeout: seconds to wait for enough barrier slots and for all tasks to start.
+    :param stall_timeout: seconds a collective may wait for a rank that never submits it (uneven
+        batches, an exception swallowed on one rank) before Horovod shuts the job down and the run
+        fails naming that rank and tensor (600 by default; whole seconds, rounded up). It sets
+        Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` and ``HOROVOD_STALL_CHECK_TIME_SECONDS``.
     :param timeline: record a Horovod timeline on rank 0 and bring it back (needs ``artifact_dir``).
     :param artifact_dir: a local folder to commit rank 0's checkpoints and timeline into.
     :param resume_from: a checkpoint folder every rank sees as ``runtime.resume_dir()``.
@@ -116,6 +121,7 @@ class HorovodRunner:
         spark: Any = None,
         env: dict[str, str] | None = None,
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
         timeline: bool = False,
         artifact_dir: str | os.PathLike[str] | None = None,
         resume_from: str | os.PathLike[str] | None = None,
@@ -130,7 +136,8 @@ class HorovodRunner:
         if np == 0:
             raise ValueError("np must be non-zero: np > 0 runs np barrier tasks, np < 0 runs -np processes on the driver")
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
-                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline)
+                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline,
+                      stall_timeout=stall_timeout)
         env = dict(env or {})
         bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
@@ -150,6 +157,7 @@ class HorovodRunner:
         self.env = env
         self.deadlines = Deadlines(start_s=float(start_timeout))
         self.start_timeout = self.deadlines.start_s
+        self.stall_timeout = whole_seconds(stall_timeout)
         self.timeline = bool(timeline)
         self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else None
         self.resume_from = Path(resume_from).resolve() if resume_from is not None else None
@@ -252,6 +260,7 @@ class HorovodRunner:
             channel=channel,
             env=self.env,
             driver_python=platform.python_version(),
+            stall_timeout_s=self.stall_timeout,
             timeline=self.timeline,
             collect_artifacts=self.artifact_dir is not None,
             has_resume=self.resume_from is not None,
@@ -507,6 +516,11 @@ class HorovodRunner:
         self.last_run.error = failure.to_json()
         # what came from the ranks and the launcher is escaped as streamed rank lines are (runner.text)
         message = one_line(failure.message)
+        stall = stall_in([failure.tail, *(other.tail for other in others), *tails.values()])
+        if stall is not None:  # Horovod's words say why the collectives broke: that comes first
+            # its "Will shutdown" line may die with rank 0; Horovod shuts down only after stall_timeout
+            stall = dataclasses.replace(stall, waited_s=max(stall.waited_s, self.stall_timeout))
+            message = "%s\n%s" % (one_line(stall.advice(self.stall_timeout)), message)
         if failure.exit and failure.exit not in failure.message:
             message += " (the process %s)" % one_line(failure.exit)
         if not failure.traceback and failure.tail:

@@ -271,3 +271,26 @@ def provider_error_job(fail_rank: int = 0):
     if runtime.rank() == fail_rank:
         raise Keras3NotSupportedError("Keras 3 object given to Horovod (raised by the test)")
     return runtime.rank()
+
+
+def uneven_batches_job(batches: int = 6, short_by: int = 2):
+    """Rank 1 has ``short_by`` fewer batches than rank 0: it ends its epoch and allreduces its epoch
+    loss while rank 0 still waits in the gradient allreduce of a batch rank 1 does not have (the
+    classic uneven-shards hang). Rank 0 checkpoints each step it finishes (``step.txt``) and a
+    resumed run starts after the step in ``resume_dir()``."""
+    import horovod.torch as hvd
+    import torch
+
+    from airflow_provider_horovod import runtime
+
+    hvd.init()
+    resume = runtime.resume_dir()
+    start = int((resume / "step.txt").read_text()) + 1 if resume is not None else 0
+    mine = batches - (short_by if hvd.rank() == 1 else 0)
+    for step in range(start, mine):
+        hvd.allreduce(torch.ones(4), name="grad.fc1")
+        if hvd.rank() == 0:
+            (runtime.checkpoint_dir() / ".step.txt.tmp").write_text(str(step))
+            os.replace(runtime.checkpoint_dir() / ".step.txt.tmp", runtime.checkpoint_dir() / "step.txt")
+    hvd.allreduce(torch.ones(1), name="epoch_loss")
+    return {"start": start}

@@ -62,28 +62,27 @@ class Stall:
 
 def parse_stall(lines: Iterable[str]) -> Stall | None:
     """Horovod's newest stall report in ``lines`` (a rank's output), or None when there is none.
-    When it shut the job down, only the ranks it marked with "!" (those past the timeout) count."""
+    Every rank it lists counts, whether or not it marked it with "!" (past the timeout): ranks
+    that wait for each other (one in the epoch's allreduce, one still in a gradient's) each miss
+    one, and which of the two passed the timeout first is a matter of milliseconds."""
     lines = list(lines)
     starts = [i for i, line in enumerate(lines) if _HEADER.search(line)]
     if not starts:
         return None
     header = _HEADER.search(lines[starts[-1]])
-    missing: list[tuple[int, bool, tuple[str, ...]]] = []
+    missing: list[tuple[int, tuple[str, ...]]] = []
     shutdown = None
     for line in lines[starts[-1] + 1:]:
         found = _MISSING.match(line)
         if found:
-            tensors = tuple(t for t in found.group(3).removesuffix(" ...").split(", ") if t)
-            missing.append((int(found.group(1)), found.group(2) == "!", tensors))
+            missing.append((int(found.group(1)), tuple(t for t in found.group(3).removesuffix(" ...").split(", ") if t)))
             continue
         shutdown = _SHUTDOWN.search(line)
         if shutdown or "Missing ranks:" not in line:
             break
-    marked = [(rank, tensors) for rank, bang, tensors in missing if bang]
     if not missing:
         return None
-    return Stall(missing=tuple(marked or [(rank, tensors) for rank, _, tensors in missing]),
-                 waited_s=int((shutdown or header).group(1)), shut_down=shutdown is not None)
+    return Stall(missing=tuple(missing), waited_s=int((shutdown or header).group(1)), shut_down=shutdown is not None)
 
 
 def stall_in(tails: Iterable[Iterable[str]]) -> Stall | None:

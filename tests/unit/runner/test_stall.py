@@ -28,9 +28,10 @@ def test_a_captured_warning_names_each_missing_rank_and_its_tensor():
     assert stall.text == "stalled: rank 0 never submitted allreduce.epoch_loss; rank 1 never submitted allreduce.grad.fc1 (waited 1 s)"
 
 
-def test_the_shutdown_report_names_only_the_ranks_past_the_timeout_and_its_wait():
+def test_the_shutdown_report_names_every_missing_rank_marked_or_not_and_its_wait():
     stall = stall_in([["rank 1 line"], CAPTURED + SHUT_DOWN])
-    assert stall.text == "stalled: rank 1 never submitted allreduce.grad.fc1, allreduce.grad.fc2 (waited 60 s)"
+    assert stall.text == ("stalled: rank 0 never submitted allreduce.epoch_loss; "
+                          "rank 1 never submitted allreduce.grad.fc1, allreduce.grad.fc2 (waited 60 s)")
     assert stall.shut_down
 
 

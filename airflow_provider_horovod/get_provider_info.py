@@ -90,6 +90,17 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "s3://aws_default@my-bucket/pretrained",
                         "default": "",
                     },
+                    "progress_interval": {
+                        "description": (
+                            "Seconds between two progress lines (step, metrics, steps/s, ETA from "
+                            "runtime.report) in a Horovod task's log; the operator's progress_interval "
+                            "overrides it."
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "float",
+                        "example": "10",
+                        "default": "30",
+                    },
                 },
             }
         },

@@ -40,6 +40,7 @@ from airflow_provider_horovod.runner.events import (
     UploadFinished,
     UploadStarted,
 )
+from airflow_provider_horovod.runner.messages import Report
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts
 from airflow_provider_horovod.runner.text import one_line
 
@@ -82,9 +83,9 @@ def _logging_takes_rank_lines() -> bool:
     return False
 
 
-# What each role may say: a rank process only reports its output and its failure.
+# What each role may say: a rank process only reports its output, its progress and its failure.
 _ALLOWED = {
-    wire.ROLE_RANK: {names.MSG_LOGS, names.MSG_ERROR, names.MSG_EVENT},
+    wire.ROLE_RANK: {names.MSG_LOGS, names.MSG_ERROR, names.MSG_EVENT, names.MSG_REPORT},
     wire.ROLE_TASK: {names.MSG_HELLO, names.MSG_FACTS, names.MSG_READY, names.MSG_FINISHED, names.MSG_ERROR,
                      names.MSG_EVENT, names.MSG_LOGS, names.MSG_PUT, names.MSG_FETCH_RESUME, names.MSG_PUT_VERSION},
 }
@@ -107,9 +108,12 @@ class Channel:
         resume_root: Path | None = None,
         limits: Limits = Limits(),
         versions: Any = None,
+        on_report: Callable[[Report], None] | None = None,
     ) -> None:
-        """``versions``: where rank 0's checkpoint versions are committed (``versions.VersionSink``)."""
+        """``versions``: where rank 0's checkpoint versions are committed (``versions.VersionSink``);
+        ``on_report``: called with each of rank 0's reports (``runtime.report``), from its connection's thread."""
         self._versions = versions
+        self._on_report = on_report
         self._keys = wire.server_keys(secret, wire.ROLE_TASK, ranks=True)
         self._run_id = run_id
         self._limits = limits
@@ -292,6 +296,17 @@ class Channel:
             self._emit(RankFailed(Failure.from_json(msg)))
         elif kind == names.MSG_EVENT:
             self.record({k: v for k, v in msg.items() if k != "t"})
+        elif kind == names.MSG_REPORT:
+            self._report(int(msg["rank"]), Report.from_json(msg))
+
+    def _report(self, rank: int, report: Report) -> None:
+        """Rank 0's report goes on; the rank's own ``runtime.report`` sends no other rank's."""
+        if rank != 0 or self._on_report is None or self._closed.is_set():
+            return
+        try:
+            self._on_report(report)
+        except Exception as err:  # noqa: BLE001 - what is done with a report never breaks the run
+            log.warning("Could not record rank 0's report of step %s: %s", report.step, err)
 
     def _receive_artifacts(self, conn: wire.ServerConnection) -> None:
         """Rank 0's artifacts into the staging folder: copied here if its folder is on this host, else streamed."""

@@ -158,3 +158,4 @@ MSG_EVENT = "event"  # task -> driver: something to record (orted launched, ...)
 MSG_PUT = "put"  # rank 0's task -> driver: its artifacts follow
 MSG_FETCH_RESUME = "fetch-resume"  # task -> driver: send resume_from
 MSG_PUT_VERSION = "put-version"  # rank 0's task -> driver: one checkpoint version follows
+MSG_REPORT = "report"  # rank 0 -> driver: its newest progress and metrics (messages.Report)

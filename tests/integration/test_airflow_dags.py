@@ -122,6 +122,13 @@ def test_digits_example_trains_evaluates_and_publishes_the_model(airflow):
                for name in ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "duration_s")}
     assert trained["try_number"] == 1 and trained["duration_s"] > 0
     store = local(trained["artifacts_uri"])
+    # runtime.report every step: the newest values, metrics.jsonl (coalesced, in step order) and the progress line
+    metrics = airflow.xcom("horovod_digits_train", "train", "horovod_metrics")
+    assert metrics["step"] == metrics["total_steps"] == 8 * 22 and 0 < metrics["loss"] < 1 and 0.5 < metrics["acc"] <= 1
+    kept = [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines()]
+    assert kept[-1]["step"] == metrics["step"] and kept[-1]["values"] == {"loss": metrics["loss"], "acc": metrics["acc"]}
+    assert [row["step"] for row in kept] == sorted({row["step"] for row in kept}) and len(kept) < metrics["step"]
+    assert "Horovod progress: step %d/%d (100%%), loss" % (metrics["step"], metrics["step"]) in proc.stdout + proc.stderr
     assert store.parts[-4:] == ("horovod_digits_train", airflow.last_run_id("horovod_digits_train"), "train", "try-1")
     assert json.loads((store / "_ARTIFACTS.json").read_text())["status"] == "success"
     assert (local(trained["checkpoint_uri"]) / "model.pt").stat().st_size > 0
@@ -143,6 +150,7 @@ def test_digits_example_trains_evaluates_and_publishes_the_model(airflow):
     assert extra["timeline_uri"] == trained["timeline_uri"]
     assert extra["try_number"] == 1
     assert extra["result"] == summary
+    assert extra["metrics"] == metrics
 
 
 def published_model(airflow: AirflowHome) -> dict:

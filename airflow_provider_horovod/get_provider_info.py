@@ -49,6 +49,7 @@ def get_provider_info() -> dict[str, Any]:
         "extra-links": [
             "airflow_provider_horovod.links.SparkUILink",
             "airflow_provider_horovod.links.HorovodTimelineLink",
+            "airflow_provider_horovod.links.MlflowRunLink",
         ],
         "config": {
             "horovod": {

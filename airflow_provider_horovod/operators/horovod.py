@@ -23,7 +23,7 @@ from airflow_provider_horovod.runner.events import Failure, RunReport, RunStatus
 from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, Launcher, check_options
 from airflow_provider_horovod.runner.payload import check_arguments
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
-from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
+from airflow_provider_horovod.links import HorovodTimelineLink, MlflowRunLink, SparkUILink
 
 if TYPE_CHECKING:
     from airflow.sdk import Context, ObjectStoragePath
@@ -89,6 +89,10 @@ class HorovodRunnerOperator(BaseOperator):
         parquet.`/data/events` WHERE day <= '{{ ds }}'``), or a callable ``spark -> DataFrame``
         run in this task (not templated). It reaches the ranks through the barrier stage (needs ``np > 0``);
         a bad table, query or column fails with ``DatasetError`` before any rank starts. (templated)
+    :param mlflow_conn_id: an Airflow connection to an MLflow tracking server (host: the tracking
+        URI; login/password or the extra ``token``; the extra ``experiment``, else the DAG id). The
+        driver, never a rank, logs one MLflow run per try: tags, params, every kept report, the
+        newest checkpoint and the timeline; an unreachable server is a warning. (templated)
     :param progress_interval: seconds between two ``Horovod progress:`` lines in the task log (from
         rank 0's ``runtime.report``); defaults to ``[horovod] progress_interval`` (30).
     """
@@ -103,9 +107,10 @@ class HorovodRunnerOperator(BaseOperator):
         "artifact_root",
         "resume",
         "dataset",
+        "mlflow_conn_id",
     )
     template_fields_renderers = {"op_args": "py", "op_kwargs": "py", "spark_conf": "json", "env": "json"}
-    operator_extra_links = (SparkUILink(), HorovodTimelineLink())
+    operator_extra_links = (SparkUILink(), HorovodTimelineLink(), MlflowRunLink())
     ui_color = "#e6f1f2"
 
     def __init__(
@@ -129,6 +134,7 @@ class HorovodRunnerOperator(BaseOperator):
         keep_checkpoints: int = DEFAULT_KEEP,
         dataset: str | Callable[[Any], Any] | None = None,
         progress_interval: float | None = None,
+        mlflow_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -158,6 +164,7 @@ class HorovodRunnerOperator(BaseOperator):
         # Airflow calls a callable in a templated field with the context: a DataFrame callable stays out
         self.dataset = None if callable(dataset) else dataset
         self.dataset_callable = dataset if callable(dataset) else None
+        self.mlflow_conn_id = mlflow_conn_id
         self.progress_interval = None if progress_interval is None else check_progress_interval(progress_interval)
 
     @cached_property
@@ -173,9 +180,12 @@ class HorovodRunnerOperator(BaseOperator):
         source, resume_from = self._resume_from(folder, context)
         self._push_spark_ui(context, np)
         with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local, tempfile.TemporaryDirectory() as scratch:
-            recorder = self._metrics_recorder(folder, scratch)
+            tracking = self._mlflow_run(context, np)
+            recorder = self._metrics_recorder(folder, scratch, tracking)
             result, report, error = self._train(np, local, resume_from, self._version_sink(folder, context), recorder)
             metrics, status = recorder.close(), try_status(report, error)
+            if tracking is not None:
+                tracking.finish(status.value, {"checkpoint": report.checkpoint_path, "timeline": report.timeline_path})
             xcom = self._store(folder, local, result, report, status, context["ti"].try_number, error, source)
             xcom["metrics"] = metrics
         self._record_final_checkpoint(folder, context)
@@ -233,15 +243,31 @@ class HorovodRunnerOperator(BaseOperator):
 
         return commit
 
-    def _metrics_recorder(self, folder: ObjectStoragePath, scratch: str) -> MetricsRecorder:
+    def _metrics_recorder(self, folder: ObjectStoragePath, scratch: str, tracking: Any) -> MetricsRecorder:
         """What the engine calls with rank 0's reports: ``metrics.jsonl`` (committed to the store
-        every few seconds) and the progress line."""
+        every few seconds), the progress line and the try's MLflow run, if any."""
         from airflow.sdk import conf
 
         interval = self.progress_interval or check_progress_interval(
             conf.getfloat("horovod", "progress_interval", fallback=DEFAULT_PROGRESS_INTERVAL_S))
         return MetricsRecorder(Path(scratch, store.METRICS), commit=lambda local: store.commit_metrics(folder, local),
-                               log=self.log, progress_interval=interval)
+                               log=self.log, progress_interval=interval, listeners=(tracking,) if tracking else ())
+
+    def _mlflow_run(self, context: Context, np: int) -> Any:
+        """With ``mlflow_conn_id``: this try's MLflow run, its URL pushed for the "MLflow run" link."""
+        if not self.mlflow_conn_id:
+            return None
+        from airflow_provider_horovod.hooks.mlflow import MlflowTrackingHook
+
+        ti = context["ti"]
+        map_index = getattr(ti, "map_index", -1)
+        tags = {"dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id, "try": str(ti.try_number),
+                "map_index": str(map_index if isinstance(map_index, int) else -1)}
+        params = {"np": np, "launcher": Launcher(self.launcher).value, **dict(self.op_kwargs)}
+        run = MlflowTrackingHook(self.mlflow_conn_id).start_run(experiment=ti.dag_id, tags=tags, params=params)
+        if run is not None:
+            MlflowRunLink().persist(context, run.url)
+        return run
 
     def _record_final_checkpoint(self, folder: ObjectStoragePath, context: Context) -> None:
         """A try that ended with its ``checkpoints/`` stored: that is newer than its last version."""
@@ -258,6 +284,7 @@ class HorovodRunnerOperator(BaseOperator):
         the Horovod view's link works while the task runs."""
         HorovodTimelineLink().persist(context, HorovodTimelineLink.view_url(context["ti"]))
         SparkUILink().persist(context, None)
+        MlflowRunLink().persist(context, None)
 
     def _push_spark_ui(self, context: Context, np: int) -> None:
         if np > 0:  # builds the SparkSession: its application is known before the job starts

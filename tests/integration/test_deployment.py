@@ -247,13 +247,14 @@ def watch_the_live_view(deployment: Deployment, browser, tmp_path: Path, dag_id:
     first = wait.until(lambda d: step() >= 0 and step())
     assert browser.find_element(By.ID, "status").text == "running"
     assert browser.find_element(By.ID, "progress-status").text == "try 1: running"
-    assert browser.find_element(By.ID, "progress-rate").text not in ("", "–")
-    assert {e.get_attribute("data-metric") for e in browser.find_elements(By.CSS_SELECTOR, "svg.chart")} == {"loss", "acc"}
-    assert browser.find_elements(By.CSS_SELECTOR, "svg.chart[data-metric=loss] polyline[data-try='1']")
     save_screenshot(browser, tmp_path, "horovod-view-live-1.png")
     browser.execute_script("window.notReloaded = true")
     later = wait.until(lambda d: step() >= first + 4 and step())  # the page fetched again by itself: 2 steps/s
     assert browser.execute_script("return window.notReloaded") is True
+    assert browser.find_element(By.ID, "progress-rate").text not in ("", "–")
+    assert browser.find_element(By.ID, "progress-eta").text not in ("", "–")
+    assert {e.get_attribute("data-metric") for e in browser.find_elements(By.CSS_SELECTOR, "svg.chart")} == {"loss", "acc"}
+    assert browser.find_elements(By.CSS_SELECTOR, "svg.chart[data-metric=loss] polyline[data-try='1']")
     assert float(browser.find_element(By.CSS_SELECTOR, "#newest-metrics tr[data-metric=loss] td.metric-value").text) \
         == pytest.approx(1.0 / (1 + 0.1 * later), rel=0.05)
     assert save_screenshot(browser, tmp_path, "horovod-view-live.png").stat().st_size > 20_000

@@ -40,8 +40,8 @@ def hvd_test_mlflow():
     def unreachable(lr: float, epochs: int, layers: list):
         return train(lr, epochs, layers)
 
-    tracked(0.1, 3, [64, 10])
-    unreachable(0.1, 3, [64, 10])
+    tracked(lr=0.1, epochs=3, layers=[64, 10])  # op_kwargs: the scalars become MLflow params
+    unreachable(lr=0.1, epochs=3, layers=[64, 10])
 
 
 hvd_test_mlflow()

@@ -60,3 +60,27 @@ def test_reports_are_coalesced_to_the_newest_and_the_last_one_is_sent_on_close()
     reporter.offer(Report.make(1.0, 100_000, None, {}))
     reporter.close()
     assert len(client.messages) == 1  # after the rank's end nothing more travels
+
+
+def test_the_channel_passes_on_rank_0s_reports_only_and_hangs_up_on_a_malformed_one():
+    import queue as queue_
+
+    from airflow_provider_horovod.runner import wire
+    from airflow_provider_horovod.runner.channel import Channel, ChannelClient
+
+    secret, got = wire.new_secret(), queue_.Queue()
+    channel = Channel(secret, on_report=got.put)
+    address = channel.start("127.0.0.1")
+    clients = {rank: ChannelClient(address, wire.Credentials.of(secret, wire.rank_role(rank))) for rank in (0, 1)}
+    try:
+        clients[1].send_now(Report.make(1.0, 5, 10, {"loss": 9.0}).to_json())  # rank 1 reports: dropped
+        clients[0].send_now(Report.make(2.0, 5, 10, {"loss": 0.5}).to_json())
+        assert got.get(timeout=10) == Report(time=2.0, step=5, total_steps=10, metrics={"loss": 0.5})
+        clients[0].send_now({"t": "report", "time": 3.0, "metrics": {"loss": "high"}})
+        clients[0].send_now(Report.make(4.0, 6, 10, {"loss": 0.4}).to_json())  # after the hang-up: never arrives
+        with pytest.raises(queue_.Empty):
+            got.get(timeout=1)
+    finally:
+        for client in clients.values():
+            client.close()
+        channel.close()

@@ -153,3 +153,14 @@ def test_metrics_of_a_long_try_are_thinned_evenly_and_keep_the_newest_row():
     gaps = {b - a for a, b in zip(steps, steps[1:-1])}
     assert len(gaps) == 1  # evenly spread over the whole try, not only its end
     assert [r["step"] for r in store.parse_metrics(rows[:3], max_rows=500)] == [1, 2, 3]
+
+
+def test_metrics_are_committed_whole_over_the_previous_file(tmp_path):
+    folder = store.storage_path(tmp_path / "try-1")
+    folder.mkdir(parents=True)
+    local = tmp_path / "metrics.jsonl"
+    for steps in (1, 3):
+        local.write_text("".join('{"step": %d, "time": 1.0, "values": {"loss": 1}}\n' % s for s in range(steps)))
+        store.commit_metrics(folder, local)
+        assert [r["step"] for r in store.read_metrics(folder, max_rows=10)] == list(range(steps))
+    assert sorted(p.name for p in (tmp_path / "try-1").iterdir()) == ["metrics.jsonl"]  # no temporary left

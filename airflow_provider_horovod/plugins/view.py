@@ -257,8 +257,8 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
 {% if not tries %}
 <p id="no-artifacts">This task instance has stored no Horovod artifacts yet (looked under <code>{{ roots }}</code>).</p>
 {% else %}
-<nav id="tries">{% for t in tries %}<a href="{{ url(try_number=t.number, chosen=1) }}" data-try="{{ t.number }}"
- class="{{ t.status }}{% if t.number == selected.number %} selected{% endif %}">try {{ t.number }} · {{ t.status }}</a>{% endfor %}</nav>
+<nav id="tries">{% for t in tries %}{% set shown = "running" if (loop.last and not t.committed) else t.status %}<a href="{{ url(try_number=t.number, chosen=1) }}" data-try="{{ t.number }}"
+ class="{{ shown }}{% if t.number == selected.number %} selected{% endif %}">try {{ t.number }} · {{ shown }}</a>{% endfor %}</nav>
 <table id="summary">
  <tr><th>status</th><td class="{{ facts.status }}" id="status">{{ facts.status }}</td></tr>
  <tr><th>ranks (np)</th><td id="np">{% if facts.np is none %}?{% elif facts.np < 0 %}{{ facts.np }} <span class="muted">({{ -facts.np }} processes inside the task, no Spark job)</span>{% else %}{{ facts.np }} <span class="muted">(one per Spark barrier task)</span>{% endif %}</td></tr>

@@ -49,6 +49,7 @@ def get_provider_info() -> dict[str, Any]:
         "extra-links": [
             "airflow_provider_horovod.links.SparkUILink",
             "airflow_provider_horovod.links.HorovodTimelineLink",
+            "airflow_provider_horovod.links.MlflowRunLink",
         ],
         "config": {
             "horovod": {
@@ -89,6 +90,17 @@ def get_provider_info() -> dict[str, Any]:
                         "type": "string",
                         "example": "s3://aws_default@my-bucket/pretrained",
                         "default": "",
+                    },
+                    "progress_interval": {
+                        "description": (
+                            "Seconds between two progress lines (step, metrics, steps/s, ETA from "
+                            "runtime.report) in a Horovod task's log; the operator's progress_interval "
+                            "overrides it."
+                        ),
+                        "version_added": "0.1.0",
+                        "type": "float",
+                        "example": "10",
+                        "default": "30",
                     },
                 },
             }

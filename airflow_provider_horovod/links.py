@@ -2,6 +2,7 @@
 
 * "Horovod timeline" opens the Horovod view of this task instance (the provider's plugin: a tab
   on the task-instance page), where every try's timeline, checkpoints and failure are.
+* "MLflow run" opens this try's run on the MLflow server of ``mlflow_conn_id``; absent without one.
 * "Spark UI" opens the application on the connection's Spark History Server (the extra
   ``history_server_url``, with ``spark.eventLog.enabled``). Without one there is no link: the
   live UI of the task's SparkSession (``:4040``) dies with the task.
@@ -43,6 +44,13 @@ class SparkUILink(_XComLink):
 
     name = "Spark UI"
     xcom_key = "horovod_spark_ui_url"
+
+
+class MlflowRunLink(_XComLink):
+    """This try's run on the MLflow tracking server of ``mlflow_conn_id``; absent without one."""
+
+    name = "MLflow run"
+    xcom_key = "horovod_mlflow_url"
 
 
 class HorovodTimelineLink(_XComLink):

@@ -21,6 +21,7 @@ from pathlib import Path
 from airflow_provider_horovod.runner import names
 
 _client = None  # set by the rank process (``runner.worker``) to its ChannelClient
+_reporter = None  # rank 0's ``runner.reports.Reporter``, set by the rank process
 
 
 def _int(*names_: str, default: int) -> int:
@@ -76,6 +77,24 @@ def log_to_driver(message: object) -> None:
         _client.send(Logs(rank(), text.splitlines() or [""], callback=True))
     else:
         print(text, flush=True)
+
+
+def report(step: int | None = None, total_steps: int | None = None, **metrics: float) -> None:
+    """Report training progress: ``step`` of ``total_steps`` and named numbers (``loss=0.41``).
+
+    Call it on every rank, as often as every step: rank 0's reports are the job's (the task log's
+    progress line, the try's ``metrics.jsonl``, the Horovod view, MLflow), the other ranks' calls
+    do nothing. The newest report reaches the driver at most twice a second; the reports between
+    are dropped, so reporting costs training nothing measurable. A value that is not a finite
+    number (a tensor: call ``.item()``) raises ``TypeError``/``ValueError`` on every rank.
+    """
+    import time
+
+    from airflow_provider_horovod.runner.messages import Report
+
+    made = Report.make(time.time(), step, total_steps, metrics)
+    if _reporter is not None and rank() == 0:
+        _reporter.offer(made)
 
 
 def checkpoint_dir() -> Path:

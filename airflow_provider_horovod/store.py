@@ -8,6 +8,7 @@ The layout, under the artifact root (any ``ObjectStoragePath`` URL)::
         versions/<seq>/_VERSION.json   its marker (step, time, size, files), written after its files
         checkpoints/...                rank 0's checkpoint folder as the try ended
         timeline.json  timeline_summary.json  timeline.svg  result.pkl
+        metrics.jsonl                  rank 0's kept reports (step, time, values), committed while the try runs
         _ARTIFACTS.json                the try's final marker, written last: how the try ended
 
 A version counts only once its marker is there, so a reader never sees half a version as
@@ -38,6 +39,7 @@ CHECKPOINTS = "checkpoints"
 VERSIONS = "versions"
 TIMELINE = "timeline.json"
 RESULT_FILE = "result.pkl"
+METRICS = "metrics.jsonl"
 TRY_FOLDER = re.compile(r"^try-([1-9][0-9]{0,6})$")
 VERSION_FOLDER = re.compile(r"^[0-9]{6,}$")
 LOCAL_PROTOCOLS = ("file", "local", "")
@@ -230,6 +232,49 @@ def _remove_tree(path: Any) -> None:
         shutil.rmtree(str(path.path), ignore_errors=True)
     else:
         path.rmdir(recursive=True)
+
+
+# -- the try's metrics --------------------------------------------------------------------------
+def commit_metrics(folder: Any, local: Path) -> None:
+    """Replace the try's ``metrics.jsonl`` with the local file as it is now: uploaded under a
+    temporary name, then renamed, so a reader sees the previous whole file or this one."""
+    tmp = folder / (".%s.tmp" % METRICS)
+    _upload(local, tmp)
+    tmp.rename(folder / METRICS)
+
+
+def read_metrics(folder: Any, *, max_rows: int) -> list[dict[str, Any]]:
+    """The try's kept reports, oldest first, thinned evenly to at most ``max_rows`` (``parse_metrics``)."""
+    try:
+        with (folder / METRICS).open("r") as lines:
+            return parse_metrics(lines, max_rows=max_rows)
+    except Exception:  # noqa: BLE001 - absent (no report yet) or unreadable: nothing to show
+        return []
+
+
+def parse_metrics(lines: Any, *, max_rows: int) -> list[dict[str, Any]]:
+    """Rows of ``metrics.jsonl`` (bytes or str lines), oldest first, at most ``max_rows`` spread
+    evenly over the whole try, and the newest row last. Memory stays within ``2 * max_rows`` rows:
+    whenever that many are held, every other one goes, and from then on every second row is read."""
+    kept: list[dict[str, Any]] = []
+    stride, seen, newest = 1, 0, None
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a commit in progress elsewhere, or not ours
+        if not isinstance(row, dict) or not isinstance(row.get("values"), dict):
+            continue
+        newest, seen = row, seen + 1
+        if (seen - 1) % stride == 0:
+            kept.append(row)
+            if len(kept) >= 2 * max_rows:
+                kept, stride = kept[::2], stride * 2
+    if len(kept) > max_rows:
+        kept = kept[::-(-len(kept) // max_rows)]
+    if newest is not None and kept[-1] is not newest:
+        kept.append(newest)
+    return kept
 
 
 # -- what a try offers, and the resume search -----------------------------------------------------

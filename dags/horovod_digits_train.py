@@ -110,12 +110,19 @@ def train_digits(epochs: int = 8, batch_size: int = 32, base_lr: float = 0.05) -
 
     loss_fn = torch.nn.CrossEntropyLoss()
     loss = torch.tensor(0.0)
+    steps_per_epoch = shard.steps(batch_size)
+    step, total_steps = first_epoch * steps_per_epoch, (first_epoch + epochs) * steps_per_epoch
     for epoch in range(first_epoch + 1, first_epoch + epochs + 1):
         for batch in shard.to_torch(batch_size, shuffle=True, seed=epoch):  # the same steps on every rank
             optimizer.zero_grad()
-            loss = loss_fn(model(batch["pixels"]), batch["label"])
+            logits = model(batch["pixels"])
+            loss = loss_fn(logits, batch["label"])
             loss.backward()
             optimizer.step()
+            step += 1
+            # every step, on every rank: rank 0's values reach the task log, the Horovod view and metrics.jsonl
+            runtime.report(step=step, total_steps=total_steps, loss=loss.item(),
+                           acc=(logits.argmax(dim=1) == batch["label"]).float().mean().item())
         loss = hvd.allreduce(loss.detach(), name="epoch_loss")  # the mean over ranks
         if hvd.rank() == 0:
             save_checkpoint(model, optimizer, epoch, runtime.checkpoint_dir())

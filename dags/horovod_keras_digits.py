@@ -95,6 +95,9 @@ def train_keras_digits(epochs: int = 8, batch_size: int = 32, base_lr: float = 0
             if hvd.rank() == 0:
                 save_checkpoint(self.model, done, runtime.checkpoint_dir())
                 runtime.log_to_driver("epoch %d: loss %.4f, accuracy %.4f" % (done, logs["loss"], logs["accuracy"]))
+            # every rank may call it: rank 0's values are the job's (task log, Horovod view, metrics.jsonl)
+            runtime.report(step=done, total_steps=epochs, loss=float(logs["loss"]),
+                           acc=float(logs["accuracy"]))
             if resume is None and done == fail_first_try_after_epoch:
                 hvd.allreduce(tf.constant(0.0), name="checkpoint_saved")  # rank 0 has saved: all fail together
                 raise RuntimeError("fail_first_try_after_epoch=%d: this try fails on purpose" % done)

@@ -20,7 +20,9 @@ As with ``@task``, the task's ``return_value`` is what the function returned on 
 into one XCom per key with ``multiple_outputs=True``); a value that is not JSON is stored as
 ``result.pkl`` and the XCom holds ``{"artifact_uri", "type", "format"}``. The try's metadata has
 its own XCom keys: ``horovod_artifacts_uri``, ``horovod_checkpoint_uri``, ``horovod_timeline_uri``,
-``horovod_try_number``, ``horovod_duration_s``; downstream, ``train(...)["horovod_checkpoint_uri"]``.
+``horovod_try_number``, ``horovod_duration_s``, ``horovod_metrics`` (rank 0's newest ``runtime.report``);
+downstream, ``train(...)["horovod_checkpoint_uri"]``. ``mlflow_conn_id=`` and ``progress_interval=``
+work here as on the operator.
 """
 
 from __future__ import annotations

@@ -8,12 +8,14 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import Asset, BaseOperator
 from airflow.sdk.definitions._internal.mixins import ResolveMixin
 
 from airflow_provider_horovod import store
+from airflow_provider_horovod.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsRecorder, check_progress_interval
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.runner.artifacts import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
@@ -21,7 +23,7 @@ from airflow_provider_horovod.runner.events import Failure, RunReport, RunStatus
 from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, DEFAULT_START_TIMEOUT_S, Launcher, check_options
 from airflow_provider_horovod.runner.payload import check_arguments
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
-from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
+from airflow_provider_horovod.links import HorovodTimelineLink, MlflowRunLink, SparkUILink
 
 if TYPE_CHECKING:
     from airflow.sdk import Context, ObjectStoragePath
@@ -30,7 +32,7 @@ RESUME_AUTO = "auto"
 RESUME_NEVER = "never"
 # Metadata of every try, each under its own XCom key too (for @task.horovod, whose return_value is
 # the training function's value, and for the UI): ``horovod_<name>``.
-METADATA = ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "duration_s")
+METADATA = ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "duration_s", "metrics")
 METADATA_XCOM_PREFIX = "horovod_"
 SMALL_RESULT_CHARS = 4096  # a result up to this size (as JSON) goes into the asset event extra
 
@@ -42,8 +44,9 @@ class HorovodRunnerOperator(BaseOperator):
     Rank logs stream into the task log, tagged by rank. Rank 0's return value, the stored
     artifacts (timeline, rank 0's checkpoints) and the Spark UI come back as the ``return_value``
     XCom, a JSON dict with ``result``, ``artifacts_uri``, ``checkpoint_uri``, ``timeline_uri``,
-    ``spark_ui_url``, ``np``, ``launcher``, ``try_number`` and ``duration_s``. ``artifacts_uri``,
-    ``checkpoint_uri``, ``timeline_uri``, ``try_number`` and ``duration_s`` are also pushed under
+    ``spark_ui_url``, ``np``, ``launcher``, ``try_number``, ``duration_s`` and ``metrics`` (rank 0's
+    newest ``runtime.report``: its values, ``step`` and ``total_steps``). ``artifacts_uri``,
+    ``checkpoint_uri``, ``timeline_uri``, ``try_number``, ``duration_s`` and ``metrics`` are also pushed under
     their own keys, ``horovod_<name>``, by every try that got as far as storing its artifacts
     (failed and cancelled ones included).
 
@@ -90,6 +93,12 @@ class HorovodRunnerOperator(BaseOperator):
         parquet.`/data/events` WHERE day <= '{{ ds }}'``), or a callable ``spark -> DataFrame``
         run in this task (not templated). It reaches the ranks through the barrier stage (needs ``np > 0``);
         a bad table, query or column fails with ``DatasetError`` before any rank starts. (templated)
+    :param mlflow_conn_id: an Airflow connection to an MLflow tracking server (host: the tracking
+        URI; login/password or the extra ``token``; the extra ``experiment``, else the DAG id). The
+        driver, never a rank, logs one MLflow run per try: tags, params, every kept report, the
+        newest checkpoint and the timeline; an unreachable server is a warning. (templated)
+    :param progress_interval: seconds between two ``Horovod progress:`` lines in the task log (from
+        rank 0's ``runtime.report``); defaults to ``[horovod] progress_interval`` (30).
     """
 
     template_fields: Sequence[str] = (
@@ -102,9 +111,10 @@ class HorovodRunnerOperator(BaseOperator):
         "artifact_root",
         "resume",
         "dataset",
+        "mlflow_conn_id",
     )
     template_fields_renderers = {"op_args": "py", "op_kwargs": "py", "spark_conf": "json", "env": "json"}
-    operator_extra_links = (SparkUILink(), HorovodTimelineLink())
+    operator_extra_links = (SparkUILink(), HorovodTimelineLink(), MlflowRunLink())
     ui_color = "#e6f1f2"
 
     def __init__(
@@ -128,6 +138,8 @@ class HorovodRunnerOperator(BaseOperator):
         max_artifact_files: int = Limits.max_files,
         keep_checkpoints: int = DEFAULT_KEEP,
         dataset: str | Callable[[Any], Any] | None = None,
+        progress_interval: float | None = None,
+        mlflow_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -159,6 +171,8 @@ class HorovodRunnerOperator(BaseOperator):
         # Airflow calls a callable in a templated field with the context: a DataFrame callable stays out
         self.dataset = None if callable(dataset) else dataset
         self.dataset_callable = dataset if callable(dataset) else None
+        self.mlflow_conn_id = mlflow_conn_id
+        self.progress_interval = None if progress_interval is None else check_progress_interval(progress_interval)
 
     @cached_property
     def hook(self) -> HorovodRunnerHook:
@@ -172,10 +186,15 @@ class HorovodRunnerOperator(BaseOperator):
         folder = self._try_folder(context)
         source, resume_from = self._resume_from(folder, context)
         self._push_spark_ui(context, np)
-        with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local:
-            result, report, error = self._train(np, local, resume_from, self._version_sink(folder, context))
-            status = try_status(report, error)
+        with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local, tempfile.TemporaryDirectory() as scratch:
+            tracking = self._mlflow_run(context, np)
+            recorder = self._metrics_recorder(folder, scratch, tracking)
+            result, report, error = self._train(np, local, resume_from, self._version_sink(folder, context), recorder)
+            metrics, status = recorder.close(), try_status(report, error)
+            if tracking is not None:
+                tracking.finish(status.value, {"checkpoint": report.checkpoint_path, "timeline": report.timeline_path})
             xcom = self._store(folder, local, result, report, status, context["ti"].try_number, error, source)
+            xcom["metrics"] = metrics
         self._record_final_checkpoint(folder, context)
         self._push_metadata(context, xcom)
         self._log_summary(xcom, report, status, source)
@@ -231,6 +250,32 @@ class HorovodRunnerOperator(BaseOperator):
 
         return commit
 
+    def _metrics_recorder(self, folder: ObjectStoragePath, scratch: str, tracking: Any) -> MetricsRecorder:
+        """What the engine calls with rank 0's reports: ``metrics.jsonl`` (committed to the store
+        every few seconds), the progress line and the try's MLflow run, if any."""
+        from airflow.sdk import conf
+
+        interval = self.progress_interval or check_progress_interval(
+            conf.getfloat("horovod", "progress_interval", fallback=DEFAULT_PROGRESS_INTERVAL_S))
+        return MetricsRecorder(Path(scratch, store.METRICS), commit=lambda local: store.commit_metrics(folder, local),
+                               log=self.log, progress_interval=interval, listeners=(tracking,) if tracking else ())
+
+    def _mlflow_run(self, context: Context, np: int) -> Any:
+        """With ``mlflow_conn_id``: this try's MLflow run, its URL pushed for the "MLflow run" link."""
+        if not self.mlflow_conn_id:
+            return None
+        from airflow_provider_horovod.hooks.mlflow import MlflowTrackingHook
+
+        ti = context["ti"]
+        map_index = getattr(ti, "map_index", -1)
+        tags = {"dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id, "try": str(ti.try_number),
+                "map_index": str(map_index if isinstance(map_index, int) else -1)}
+        params = {"np": np, "launcher": Launcher(self.launcher).value, **dict(self.op_kwargs)}
+        run = MlflowTrackingHook(self.mlflow_conn_id).start_run(experiment=ti.dag_id, tags=tags, params=params)
+        if run is not None:
+            MlflowRunLink().persist(context, run.url)
+        return run
+
     def _record_final_checkpoint(self, folder: ObjectStoragePath, context: Context) -> None:
         """A try that ended with its ``checkpoints/`` stored: that is newer than its last version."""
         newest = store.newest_checkpoint(folder)
@@ -246,13 +291,15 @@ class HorovodRunnerOperator(BaseOperator):
         the Horovod view's link works while the task runs."""
         HorovodTimelineLink().persist(context, HorovodTimelineLink.view_url(context["ti"]))
         SparkUILink().persist(context, None)
+        MlflowRunLink().persist(context, None)
 
     def _push_spark_ui(self, context: Context, np: int) -> None:
         if np > 0:  # builds the SparkSession: its application is known before the job starts
             SparkUILink().persist(context, self.hook.history_server_url(self.hook.get_conn()))
 
     def _train(self, np: int, local_dir: str, resume_from: str | None,
-               on_checkpoint: Callable[[Any, Any], None]) -> tuple[Any, RunReport, BaseException | None]:
+               on_checkpoint: Callable[[Any, Any], None],
+               on_report: Callable[[Any], None]) -> tuple[Any, RunReport, BaseException | None]:
         from airflow_provider_horovod import ArtifactError, HorovodRunError
 
         try:
@@ -262,7 +309,7 @@ class HorovodRunnerOperator(BaseOperator):
                 timeline=self.timeline, artifact_dir=local_dir, resume_from=resume_from,
                 start_timeout=self.start_timeout, stall_timeout=self.stall_timeout, max_artifact_bytes=self.max_artifact_bytes,
                 max_artifact_files=self.max_artifact_files, keep_checkpoints=self.keep_checkpoints,
-                on_checkpoint=on_checkpoint, dataset=self.dataset_callable or self.dataset,
+                on_checkpoint=on_checkpoint, dataset=self.dataset_callable or self.dataset, on_report=on_report,
             )
             return result, report, None
         except (HorovodRunError, ArtifactError) as err:  # store what the failed try left, then re-raise
@@ -333,7 +380,7 @@ class HorovodRunnerOperator(BaseOperator):
                           ", ".join("%d (step %s)" % (v["seq"], v["step"]) for v in versions))
 
     def _emit_asset_events(self, context: Context, xcom: dict[str, Any]) -> None:
-        extra = {k: xcom[k] for k in ("checkpoint_uri", "timeline_uri", "try_number", "artifacts_uri")}
+        extra = {k: xcom[k] for k in ("checkpoint_uri", "timeline_uri", "try_number", "artifacts_uri", "metrics")}
         if _is_json(xcom["result"]) and len(json.dumps(xcom["result"])) <= SMALL_RESULT_CHARS:
             extra["result"] = xcom["result"]
         for outlet in self.outlets:

@@ -184,6 +184,17 @@ class Try:
             return os.fdopen(self.local.open_file(rel), "rb")
         return path.open("rb")
 
+    def metrics(self, max_rows: int) -> list[dict[str, Any]]:
+        """Rank 0's kept reports (``metrics.jsonl``), committed while the try runs, so read whether
+        or not the marker lists the file; thinned evenly to ``max_rows``."""
+        if not self.local:
+            return store.read_metrics(self.folder, max_rows=max_rows)
+        try:
+            with os.fdopen(self.local.open_file(store.METRICS), "rb") as lines:
+                return store.parse_metrics(lines, max_rows=max_rows)
+        except NotFound:
+            return []
+
     def timeline(self) -> hvd_timeline.Timeline | None:
         """The stored timeline, parsed as it streams from the file (never held whole in memory), or
         ``None`` when this try has none, or one too large to draw, or one that is not JSON."""

@@ -7,6 +7,8 @@ that DAG's task instances (else 403). Then :mod:`.store` decides what may be rea
 
 * ``GET .../tasks/{task_id}``: the page (HTML) the task-instance tab shows;
 * ``GET .../tries``: the same facts as JSON;
+* ``GET .../metrics``: every try's progress and metrics (``metrics.jsonl``), live while a try runs;
+  the page fetches it every few seconds;
 * ``GET .../tries/{n}/timeline.svg``: the timeline picture, drawn from ``timeline.json``;
 * ``GET .../tries/{n}/files/{path}``: one stored file, as a download.
 
@@ -29,12 +31,17 @@ from jinja2 import Environment
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
 from airflow.api_fastapi.core_api.security import requires_access_dag
 
+from airflow_provider_horovod.metrics import rate
 from airflow_provider_horovod.plugins.store import BadRequest, NotFound, TaskArtifacts, Try, roots
+from airflow_provider_horovod.runner.messages import Report
+from airflow_provider_horovod.runner.wire import ProtocolError
 from airflow_provider_horovod.runner import timeline as hvd_timeline
 from airflow_provider_horovod.store import CHECKPOINTS, MARKER, TIMELINE
 
 TASK_ROUTE = "/dags/{dag_id}/runs/{run_id}/tasks/{task_id}"
 CHUNK = 1 << 20
+MAX_CHART_ROWS = 1000  # points per try and metric the page draws (metrics.jsonl thinned evenly)
+REFRESH_S = 3  # how often the page fetches .../metrics while a try runs
 
 router = APIRouter(prefix=TASK_ROUTE, dependencies=[Depends(requires_access_dag("GET", DagAccessEntity.TASK_INSTANCE))])
 
@@ -76,10 +83,10 @@ def page(dag_id: str, run_id: str, task_id: str, request: Request, map_index: st
         path = "/".join([base, *(quote(p, safe="/") for p in parts)])
         return path + ("?" + urlencode(q) if q else "")
 
-    facts = _facts(selected) if selected else None
+    facts = _facts(selected, running=selected is tries[-1] and not selected.committed) if selected else None
     body = _PAGE.render(
         dag_id=dag_id, run_id=run_id, task_id=task_id, map_index=mi, tries=tries, selected=selected, facts=facts,
-        url=url, roots=", ".join(roots()), checkpoints=CHECKPOINTS, timeline=TIMELINE, fmt_size=_fmt_size,
+        url=url, roots=", ".join(roots()), refresh_s=REFRESH_S, checkpoints=CHECKPOINTS, timeline=TIMELINE, fmt_size=_fmt_size,
     )
     return HTMLResponse(body, headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
 
@@ -87,7 +94,34 @@ def page(dag_id: str, run_id: str, task_id: str, request: Request, map_index: st
 @router.get("/tries")
 def tries_json(dag_id: str, run_id: str, task_id: str, map_index: str | None = None) -> dict[str, Any]:
     task = _task(dag_id, run_id, task_id, map_index)
-    return {"tries": [_facts(t) for t in task.tries()]}
+    tries = task.tries()
+    return {"tries": [_facts(t, running=t is tries[-1] and not t.committed) for t in tries]}
+
+
+@router.get("/metrics")
+def metrics_json(dag_id: str, run_id: str, task_id: str, map_index: str | None = None) -> dict[str, Any]:
+    tries = _task(dag_id, run_id, task_id, map_index).tries()
+    return {"tries": [_progress(t, running=not t.committed and t is tries[-1]) for t in tries],
+            "refresh_s": REFRESH_S}
+
+
+def _progress(t: Try, *, running: bool) -> dict[str, Any]:
+    """One try's reports for the charts, and its progress from the first and the newest of them."""
+    rows = t.metrics(MAX_CHART_ROWS)
+    out: dict[str, Any] = {"try_number": t.number, "status": "running" if running else t.status, "rows": rows,
+                           "newest": rows[-1] if rows else None, "elapsed_s": None, "steps_per_s": None, "eta_s": None}
+    if not rows:
+        return out
+    try:
+        first, newest = (Report.from_json({**row, "metrics": {}}) for row in (rows[0], rows[-1]))
+    except ProtocolError:  # a row without a time or with a bad step: charts only
+        return out
+    speed = rate(first, newest)
+    out["elapsed_s"] = round(newest.time - first.time, 1)
+    out["steps_per_s"] = round(speed, 2) if speed else None
+    if speed and newest.total_steps and newest.step is not None and running:
+        out["eta_s"] = round(max(0, newest.total_steps - newest.step) / speed, 1)
+    return out
 
 
 @router.get("/tries/{try_number}/timeline.svg")
@@ -126,14 +160,14 @@ def download(dag_id: str, run_id: str, task_id: str, try_number: int, path: str,
     return StreamingResponse(chunks(), media_type=media, headers=headers)
 
 
-def _facts(t: Try) -> dict[str, Any]:
-    """What the page shows about one try, from its marker."""
+def _facts(t: Try, *, running: bool) -> dict[str, Any]:
+    """What the page shows about one try, from its marker (``running``: the newest try, uncommitted)."""
     marker = t.marker or {}
     files = t.files()
     error = marker.get("error") if isinstance(marker.get("error"), dict) else None
     return {
         "try_number": t.number,
-        "status": t.status,
+        "status": "running" if running else t.status,
         "committed": t.committed,
         "np": marker.get("np"),
         "launcher": marker.get("launcher"),
@@ -213,6 +247,9 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
  #failure { border-left: 4px solid #b3261e; padding-left: 12px; }
  #timeline-picture { max-width: 100%; height: auto; border: 1px solid #e1e5ea; }
  .muted { color: #5b6673; }
+ #progress-bar { width: 420px; height: 14px; } .charts { display: flex; flex-wrap: wrap; gap: 14px; }
+ .chart { border: 1px solid #e1e5ea; } .chart text { font-size: 11px; fill: #5b6673; } .legend span { margin-right: 12px; }
+ .running { color: #1a5fb4; }
 </style></head>
 <body>
 <h1>Horovod · {{ dag_id }} / {{ task_id }}{% if map_index >= 0 %} [{{ map_index }}]{% endif %}</h1>
@@ -220,8 +257,8 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
 {% if not tries %}
 <p id="no-artifacts">This task instance has stored no Horovod artifacts yet (looked under <code>{{ roots }}</code>).</p>
 {% else %}
-<nav id="tries">{% for t in tries %}<a href="{{ url(try_number=t.number, chosen=1) }}" data-try="{{ t.number }}"
- class="{{ t.status }}{% if t.number == selected.number %} selected{% endif %}">try {{ t.number }} · {{ t.status }}</a>{% endfor %}</nav>
+<nav id="tries">{% for t in tries %}{% set shown = "running" if (loop.last and not t.committed) else t.status %}<a href="{{ url(try_number=t.number, chosen=1) }}" data-try="{{ t.number }}"
+ class="{{ shown }}{% if t.number == selected.number %} selected{% endif %}">try {{ t.number }} · {{ shown }}</a>{% endfor %}</nav>
 <table id="summary">
  <tr><th>status</th><td class="{{ facts.status }}" id="status">{{ facts.status }}</td></tr>
  <tr><th>ranks (np)</th><td id="np">{% if facts.np is none %}?{% elif facts.np < 0 %}{{ facts.np }} <span class="muted">({{ -facts.np }} processes inside the task, no Spark job)</span>{% else %}{{ facts.np }} <span class="muted">(one per Spark barrier task)</span>{% endif %}</td></tr>
@@ -231,6 +268,18 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
  <tr><th>artifact folder</th><td><code id="artifacts-uri">{{ facts.artifacts_uri }}</code></td></tr>
 </table>
 {% if not facts.committed %}<p class="muted">This try has not committed its artifacts (it is running, or its worker died before the end).</p>{% endif %}
+<section id="progress" data-metrics="{{ url('metrics') }}" data-try="{{ selected.number }}" data-refresh="{{ refresh_s }}">
+<h2>Progress and metrics</h2>
+<p id="no-metrics" class="muted">No runtime.report() from rank 0 in any try yet.</p>
+<div id="progress-live" hidden>
+ <p><span id="progress-status"></span> · <progress id="progress-bar" max="1" value="0"></progress> <span id="progress-step"></span></p>
+ <table><tr><th>elapsed</th><td id="progress-elapsed"></td><th>ETA</th><td id="progress-eta"></td>
+ <th>steps/s</th><td id="progress-rate"></td></tr></table>
+ <table id="newest-metrics"></table>
+ <p class="legend" id="chart-legend"></p>
+ <div class="charts" id="charts"></div>
+</div>
+</section>
 {% if facts.error %}{% set e = facts.error %}
 <section id="failure"><h2>Failure{% if e.rank is not none %} of rank {{ e.rank }}{% endif %}{% if e.host %} on {{ e.host }}{% endif %}</h2>
  <p id="failure-message">{{ e.exception or e.message }}{% if e.exit %} ({{ e.exit }}){% endif %}</p>
@@ -259,6 +308,95 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
 <td><a class="download" href="{{ url('tries', selected.number|string, 'files', f.path) }}" download>download</a></td></tr>{% endfor %}
 </table></section>
 {% endif %}
+<script>
+// Progress and charts from .../metrics, fetched again every few seconds while a try runs (no reload).
+(function () {
+  var section = document.getElementById("progress");
+  if (!section) return;
+  var NS = "http://www.w3.org/2000/svg", COLORS = ["#1a5fb4", "#c64600", "#26a269", "#813d9c", "#986a44", "#e01b24"];
+  var selected = Number(section.dataset.try), refresh = Number(section.dataset.refresh) * 1000;
+  function text(id, value) { document.getElementById(id).textContent = value; }
+  function duration(s) {
+    if (s === null || s === undefined) return "–";
+    s = Math.round(s);
+    if (s < 60) return s + "s";
+    if (s < 3600) return Math.floor(s / 60) + "m" + String(s % 60).padStart(2, "0") + "s";
+    return Math.floor(s / 3600) + "h" + String(Math.floor(s % 3600 / 60)).padStart(2, "0") + "m";
+  }
+  function svg(tag, attrs, parent) {
+    var el = document.createElementNS(NS, tag);
+    for (var k in attrs) el.setAttribute(k, attrs[k]);
+    if (parent) parent.appendChild(el);
+    return el;
+  }
+  function chart(name, tries) {
+    var W = 420, H = 200, L = 48, B = 24, pts = [], lo = Infinity, hi = -Infinity, x0 = Infinity, x1 = -Infinity;
+    tries.forEach(function (t, i) {
+      var line = t.rows.filter(function (r) { return r.step !== null && typeof r.values[name] === "number"; });
+      line.forEach(function (r) { lo = Math.min(lo, r.values[name]); hi = Math.max(hi, r.values[name]);
+                                  x0 = Math.min(x0, r.step); x1 = Math.max(x1, r.step); });
+      pts.push({t: t, i: i, line: line});
+    });
+    var box = svg("svg", {width: W, height: H, "class": "chart", "data-metric": name});
+    svg("text", {x: L, y: 14}, box).textContent = name;
+    if (!isFinite(lo)) return box;
+    if (hi === lo) { hi += 0.5; lo -= 0.5; }
+    if (x1 === x0) { x1 += 1; }
+    function X(v) { return L + (v - x0) / (x1 - x0) * (W - L - 10); }
+    function Y(v) { return 22 + (hi - v) / (hi - lo) * (H - B - 22); }
+    svg("text", {x: 2, y: Y(hi) + 4}, box).textContent = hi.toPrecision(3);
+    svg("text", {x: 2, y: Y(lo) + 4}, box).textContent = lo.toPrecision(3);
+    svg("text", {x: L, y: H - 6}, box).textContent = "step " + x0;
+    svg("text", {x: W - 80, y: H - 6}, box).textContent = "step " + x1;
+    pts.forEach(function (p) {
+      if (!p.line.length) return;
+      svg("polyline", {fill: "none", stroke: COLORS[p.i % COLORS.length], "stroke-width": 1.5, "data-try": p.t.try_number,
+                       points: p.line.map(function (r) { return X(r.step).toFixed(1) + "," + Y(r.values[name]).toFixed(1); }).join(" ")}, box);
+    });
+    return box;
+  }
+  function show(data) {
+    var tries = data.tries.filter(function (t) { return t.rows.length; });
+    document.getElementById("no-metrics").hidden = tries.length > 0;
+    document.getElementById("progress-live").hidden = tries.length === 0;
+    var mine = data.tries.filter(function (t) { return t.try_number === selected; })[0] || data.tries[data.tries.length - 1];
+    var newest = mine && mine.newest;
+    text("progress-status", "try " + (mine ? mine.try_number : "?") + ": " + (mine ? mine.status : "?"));
+    document.getElementById("progress-status").className = mine ? mine.status : "";
+    var bar = document.getElementById("progress-bar");
+    if (newest && newest.step !== null && newest.total_steps) {
+      bar.value = Math.min(1, newest.step / newest.total_steps);
+      text("progress-step", "step " + newest.step + "/" + newest.total_steps + " (" + Math.floor(100 * newest.step / newest.total_steps) + "%)");
+    } else { bar.removeAttribute("value"); text("progress-step", newest && newest.step !== null ? "step " + newest.step : ""); }
+    text("progress-elapsed", duration(mine && mine.elapsed_s));
+    text("progress-eta", duration(mine && mine.eta_s));
+    text("progress-rate", mine && mine.steps_per_s ? mine.steps_per_s.toFixed(1) : "–");
+    var table = document.getElementById("newest-metrics"); table.textContent = "";
+    Object.keys(newest ? newest.values : {}).forEach(function (k) {
+      var row = table.insertRow(); row.insertCell().textContent = k; row.insertCell().textContent = newest.values[k].toPrecision(4);
+      row.cells[1].className = "num metric-value"; row.dataset.metric = k;
+    });
+    var names = [];
+    tries.forEach(function (t) { t.rows.forEach(function (r) { Object.keys(r.values).forEach(function (k) { if (names.indexOf(k) < 0) names.push(k); }); }); });
+    var charts = document.getElementById("charts"); charts.textContent = "";
+    names.forEach(function (n) { charts.appendChild(chart(n, data.tries)); });
+    var legend = document.getElementById("chart-legend"); legend.textContent = "";
+    data.tries.forEach(function (t, i) {
+      if (!t.rows.length) return;
+      var s = document.createElement("span"); s.style.color = COLORS[i % COLORS.length]; s.textContent = "— try " + t.try_number;
+      legend.appendChild(s);
+    });
+    return data.tries.some(function (t) { return t.status === "running"; });
+  }
+  function poll() {
+    fetch(section.dataset.metrics, {credentials: "same-origin", cache: "no-store"})
+      .then(function (r) { return r.ok ? r.json() : Promise.reject(r.status); })
+      .then(function (data) { if (show(data)) setTimeout(poll, refresh); })
+      .catch(function () { setTimeout(poll, refresh * 3); });
+  }
+  poll();
+})();
+</script>
 <script>
 // Inside Airflow's task-instance page, follow the try picked there (?try_number=N) unless one was chosen here.
 (function () {

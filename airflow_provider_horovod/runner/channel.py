@@ -39,7 +39,7 @@ from airflow_provider_horovod.runner.events import (
     UploadFinished,
     UploadStarted,
 )
-from airflow_provider_horovod.runner.messages import Mode, Receipt, Received, TransferError
+from airflow_provider_horovod.runner.messages import Mode, Receipt, Received, Report, TransferError
 from airflow_provider_horovod.runner.plan import Plan
 from airflow_provider_horovod.runner.text import one_line
 
@@ -82,8 +82,8 @@ def _logging_takes_rank_lines() -> bool:
     return False
 
 
-# What each role may say: a rank process only reports its output and its failure.
-_RANK_SAYS = (messages.Logs, messages.Error, messages.Event)
+# What each role may say: a rank process only reports its output, its progress and its failure.
+_RANK_SAYS = (messages.Logs, messages.Error, messages.Event, messages.Report)
 _ALLOWED = {
     wire.ROLE_RANK: {m.TYPE for m in _RANK_SAYS},
     wire.ROLE_TASK: {m.TYPE for m in (*_RANK_SAYS, messages.Hello, messages.Facts, messages.Ready, messages.Finished,
@@ -109,9 +109,12 @@ class Channel:
         resume_root: Path | None = None,
         limits: Limits = Limits(),
         versions: Any = None,
+        on_report: Callable[[Report], None] | None = None,
     ) -> None:
-        """``versions``: where rank 0's checkpoint versions are committed (``versions.VersionSink``)."""
+        """``versions``: where rank 0's checkpoint versions are committed (``versions.VersionSink``);
+        ``on_report``: called with each of rank 0's reports (``runtime.report``), from its connection's thread."""
         self._versions = versions
+        self._on_report = on_report
         self._keys = wire.server_keys(secret, wire.ROLE_TASK, ranks=True)
         self._run_id = run_id
         self._limits = limits
@@ -284,6 +287,17 @@ class Channel:
             self._emit(RankFailed(msg.failure))
         elif isinstance(msg, messages.Event):
             self.record(msg.recorded())
+        elif isinstance(msg, Report):
+            self._report(msg)
+
+    def _report(self, report: Report) -> None:
+        """Rank 0's report goes on; the rank's own ``runtime.report`` sends no other rank's."""
+        if report.rank != 0 or self._on_report is None or self._closed.is_set():
+            return
+        try:
+            self._on_report(report)
+        except Exception as err:  # noqa: BLE001 - what is done with a report never breaks the run
+            log.warning("Could not record rank 0's report of step %s: %s", report.step, err)
 
     def _serve_transfer(self, conn: wire.ServerConnection, msg: messages.Message) -> None:
         with self._lock:

@@ -37,6 +37,7 @@ from airflow_provider_horovod.runner.dataset import DatasetSpec, check_dataset, 
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport, RunStatus
 from airflow_provider_horovod.runner.host import RunSpec
+from airflow_provider_horovod.runner.messages import Report
 from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, DEFAULT_START_TIMEOUT_S, Launcher, check_options
 from airflow_provider_horovod.runner.payload import build_payload, describe
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
@@ -105,6 +106,9 @@ class HorovodRunner:
         lists every one committed).
     :param on_checkpoint: called with each committed ``Version`` and its folder, from a thread of
         the driver, before older versions are pruned (the operator stores it there).
+    :param on_report: called with each of rank 0's ``runtime.report`` calls that reached the driver
+        (coalesced: at most two a second, ``runner.reports``), a ``messages.Report``, from a thread
+        of the driver while the ranks run; an exception it raises is logged, never fails the run.
     :param dataset: training data for the ranks (``np > 0``): a ``pyspark.sql.DataFrame`` (classic
         or Spark Connect), a table name, a Spark SQL query, or a callable ``spark -> DataFrame``.
         It becomes the barrier stage's input in ``np`` partitions whose sizes differ by at most one
@@ -130,6 +134,7 @@ class HorovodRunner:
         keep_checkpoints: int = DEFAULT_KEEP,
         on_checkpoint: Callable[[Version, Path], None] | None = None,
         dataset: Any = None,
+        on_report: Callable[[Report], None] | None = None,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise ValueError("np must be a non-zero int (np > 0: barrier tasks, np < 0: local processes); got %r" % (np,))
@@ -151,6 +156,7 @@ class HorovodRunner:
         self.artifact_limits = Limits(max_bytes=max_artifact_bytes, max_files=max_artifact_files)
         self.keep_checkpoints = check_keep(keep_checkpoints)
         self.on_checkpoint = on_checkpoint
+        self.on_report = on_report
         self.np = np
         self.launcher = Launcher(launcher)
         self.driver_log_verbosity = driver_log_verbosity
@@ -194,6 +200,7 @@ class HorovodRunner:
                            on_commit=self.on_checkpoint) if artifact_dir else None
         channel = Channel(secret, run_id=run_id, on_event=events.put, artifact_staging=staging,
                           resume_root=self.resume_from, limits=self.artifact_limits, versions=sink,
+                          on_report=self.on_report,
                           output=RankOutput(stream_all=self.driver_log_verbosity == "all"))
         sup: Supervisor | None = None
         result = None

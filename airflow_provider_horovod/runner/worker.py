@@ -149,6 +149,10 @@ def _setup(rank: int):
     host, _, port = os.environ.get(names.ENV_CHANNEL, "").rpartition(":")
     client = ChannelClient((host, int(port)) if port and key else None, Credentials(rank_role(rank), key))
     runtime._client = client
+    if rank == 0 and client.connected:
+        from airflow_provider_horovod.runner.reports import Reporter
+
+        runtime._reporter = Reporter(client)
     under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
     pump = OutputPump(rank, client, stream=os.environ.get(names.ENV_VERBOSITY, "all") == "all",
                       log_path=task.rank_log(rank), forward=under_mpirun)
@@ -175,6 +179,7 @@ def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
     text = traceback.format_exc()
     sys.stderr.write(text)
     exception = "%s: %s" % (type(err).__name__, err)
+    _close_reports()
     if pump is not None:
         pump.close()
     failure = Failure(message="%s failed: %s" % (where(slot) if slot else "Rank %d" % rank, exception), rank=rank,
@@ -187,6 +192,14 @@ def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
     if client is not None:
         client.send_now(Error(failure))
         client.close()
+
+
+def _close_reports() -> None:
+    """Rank 0's last report goes before the rank's end does."""
+    from airflow_provider_horovod import runtime
+
+    if runtime._reporter is not None:
+        runtime._reporter.close()
 
 
 def _pickled_result(result: object) -> bytes:
@@ -225,6 +238,7 @@ def main() -> int:
     except BaseException as err:  # noqa: BLE001 - every failure must reach the driver
         _report(rank, slot, task, client, pump, err)
         os._exit(1)
+    _close_reports()
     pump.close()
     client.close()
     return 0

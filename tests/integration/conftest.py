@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.integration.browser import logged_in_browser
 from tests.integration.cluster import StandaloneCluster
 from tests.integration.deployment import REPO, Deployment
 
@@ -38,3 +39,10 @@ def airflow_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dep
             yield deployment
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def browser(airflow_deployment: Deployment, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """One headless Chromium for the session, logged in to the deployment as the admin."""
+    yield from logged_in_browser(airflow_deployment.base_url, airflow_deployment.password,
+                                 tmp_path_factory.mktemp("browser"))

@@ -122,6 +122,13 @@ def test_digits_example_trains_evaluates_and_publishes_the_model(airflow):
                for name in ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "duration_s")}
     assert trained["try_number"] == 1 and trained["duration_s"] > 0
     store = local(trained["artifacts_uri"])
+    # runtime.report every step: the newest values, metrics.jsonl (coalesced, in step order) and the progress line
+    metrics = airflow.xcom("horovod_digits_train", "train", "horovod_metrics")
+    assert metrics["step"] == metrics["total_steps"] == 8 * 22 and 0 < metrics["loss"] < 1 and 0.5 < metrics["acc"] <= 1
+    kept = [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines()]
+    assert kept[-1]["step"] == metrics["step"] and kept[-1]["values"] == {"loss": metrics["loss"], "acc": metrics["acc"]}
+    assert [row["step"] for row in kept] == sorted({row["step"] for row in kept}) and len(kept) < metrics["step"]
+    assert "Horovod progress: step %d/%d (100%%), loss" % (metrics["step"], metrics["step"]) in proc.stdout + proc.stderr
     assert store.parts[-4:] == ("horovod_digits_train", airflow.last_run_id("horovod_digits_train"), "train", "try-1")
     assert json.loads((store / "_ARTIFACTS.json").read_text())["status"] == "success"
     assert (local(trained["checkpoint_uri"]) / "model.pt").stat().st_size > 0
@@ -143,6 +150,7 @@ def test_digits_example_trains_evaluates_and_publishes_the_model(airflow):
     assert extra["timeline_uri"] == trained["timeline_uri"]
     assert extra["try_number"] == 1
     assert extra["result"] == summary
+    assert extra["metrics"] == metrics
 
 
 def published_model(airflow: AirflowHome) -> dict:
@@ -318,3 +326,74 @@ def test_bad_input_fails_before_training_with_errors_that_name_the_fix(airflow):
     assert "Cannot import module 'no_such_pkg_hvd.train'" in output
     assert "Cannot write Horovod artifacts under file:///proc/hvd-cannot-write-here" in output
     assert "Starting Horovod job" not in output and "Starting a SparkSession" not in output
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real ``mlflow server`` (from .venv-mlflow/, which scripts/setup makes) with its own
+    SQLite backend store and artifact folder, on a free port of 127.0.0.1."""
+    from tests.integration.deployment import free_port
+
+    server_bin = REPO / ".venv-mlflow" / "bin" / "mlflow"
+    assert server_bin.exists(), "%s missing: run scripts/setup (it makes the MLflow server's venv)" % server_bin
+    root, port = tmp_path_factory.mktemp("mlflow"), free_port()
+    server = subprocess.Popen(
+        [str(server_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", "sqlite:///%s" % (root / "mlflow.db"), "--artifacts-destination", str(root / "artifacts")],
+        stdout=(root / "server.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = "http://127.0.0.1:%d" % port
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, (root / "server.log").read_text()[-3000:]
+            try:
+                import urllib.request
+
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "mlflow server did not come up:\n" + (root / "server.log").read_text()[-3000:]
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def test_mlflow_gets_one_run_per_try_from_the_driver_and_an_unreachable_server_only_warns(airflow, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    from tests.integration.deployment import free_port
+
+    env = {**airflow.env, "AIRFLOW_CONN_MLFLOW_TEST": json.dumps({"conn_type": "http", "host": mlflow_server}),
+           "AIRFLOW_CONN_MLFLOW_DEAD": json.dumps({"conn_type": "http", "host": "http://127.0.0.1:%d" % free_port(),
+                                                   "password": "not-for-the-ranks"})}
+    proc = subprocess.run([AIRFLOW, "dags", "test", "hvd_test_mlflow"], env=env, capture_output=True, text=True,
+                          timeout=DAG_TIMEOUT_S)
+    assert proc.returncode == 0, explain(proc)
+    assert airflow.task_states("hvd_test_mlflow") == {"tracked": ("success", 1), "unreachable": ("success", 1)}
+    output = proc.stdout + proc.stderr
+    assert "MLflow (connection 'mlflow_dead') cannot be reached; training goes on without it" in output
+    assert airflow.xcom("hvd_test_mlflow", "unreachable", "horovod_metrics")["step"] == 30
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    [run] = client.search_runs([client.get_experiment_by_name("hvd_test_mlflow").experiment_id])
+    run_id = airflow.last_run_id("hvd_test_mlflow")
+    assert {k: run.data.tags[k] for k in ("dag_id", "run_id", "task_id", "map_index", "try")} == {
+        "dag_id": "hvd_test_mlflow", "run_id": run_id, "task_id": "tracked", "map_index": "-1", "try": "1"}
+    assert run.data.params == {"np": "-2", "launcher": "gloo", "lr": "0.1", "epochs": "3"}  # scalar op_kwargs only
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    steps = [m.step for m in history]
+    assert steps == sorted(steps) and steps[-1] == 30 and 2 <= len(steps) < 30  # kept reports, coalesced
+    assert history[-1].value == pytest.approx(1 / 30)
+    assert {m.value for m in client.get_metric_history(run.info.run_id, "rank_seen")} == {0.0}  # rank 0's only
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert artifacts == {"checkpoint", "timeline"}, artifacts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/model.txt"]
+    link = airflow.xcom("hvd_test_mlflow", "tracked", "horovod_mlflow_url")
+    assert link == "%s/#/experiments/%s/runs/%s" % (mlflow_server, run.info.experiment_id, run.info.run_id)

@@ -15,11 +15,13 @@ import os
 import signal
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import psutil
 import pytest
 
 from tests.conftest import run_processes
+from tests.integration.browser import BROWSER_WAIT_S, save_screenshot
 from tests.integration.deployment import Api, Deployment
 
 pytestmark = pytest.mark.slow
@@ -150,12 +152,14 @@ def test_clear_in_the_ui_reruns_the_task_from_its_newest_checkpoint(airflow_depl
     assert "resumed from %s" % first["checkpoint_uri"] in log  # the summary says it too
 
 
-def test_mark_failed_and_execution_timeout_store_rank_0s_checkpoint_as_cancelled(airflow_deployment: Deployment):
+def test_mark_failed_and_execution_timeout_store_rank_0s_checkpoint_as_cancelled(airflow_deployment: Deployment,
+                                                                                browser, tmp_path):
     api = airflow_deployment.api
     dag_id = "hvd_deploy_stop"
     run_id = api.trigger(dag_id)
     wait_log(api, dag_id, run_id, "until_marked_failed", 1, "checkpoint 3 written")
     assert task_processes(dag_id, "until_marked_failed"), "the ranks of until_marked_failed are not running"
+    watch_the_live_view(airflow_deployment, browser, tmp_path, dag_id, run_id, "until_marked_failed")
     marked = time.monotonic()
     api.mark(dag_id, run_id, "until_marked_failed", "failed")
     assert wait_gone(dag_id, "until_marked_failed") == []
@@ -222,6 +226,45 @@ def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newe
     assert not (killed_try / "_ARTIFACTS.json").exists()  # the killed try never ended, its version is there
     assert "Resuming from checkpoint file://%s (try 2, version 1)" % committed in api.log(dag_id, run_id, "crash", 3)
     assert wait_gone(dag_id) == []
+
+
+def watch_the_live_view(deployment: Deployment, browser, tmp_path: Path, dag_id: str, run_id: str, task_id: str) -> None:
+    """While the try runs (it reports a step every 0.5 s): its metrics.jsonl is in the store, its log
+    has progress lines, and the Horovod view shows it running and the step advancing without a reload."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    live = deployment.artifact_folder(dag_id, run_id, task_id, 1) / "metrics.jsonl"
+    wait_until(lambda: live.exists(), 30, "no metrics.jsonl committed while %s runs" % task_id)
+    wait_log(deployment.api, dag_id, run_id, task_id, 1, "Horovod progress: step ", timeout=30)
+    browser.get("%s/horovod/dags/%s/runs/%s/tasks/%s" % (deployment.base_url, dag_id, quote(run_id, safe=""), task_id))
+    wait = WebDriverWait(browser, BROWSER_WAIT_S)
+
+    def step() -> int:
+        shown = browser.find_element(By.ID, "progress-step").text  # "step 12/100000 (0%)"
+        return int(shown.split()[1].split("/")[0]) if shown.startswith("step ") else -1
+
+    first = wait.until(lambda d: step() >= 0 and step())
+    assert browser.find_element(By.ID, "status").text == "running"
+    assert browser.find_element(By.ID, "progress-status").text == "try 1: running"
+    save_screenshot(browser, tmp_path, "horovod-view-live-1.png")
+    browser.execute_script("window.notReloaded = true")
+    later = wait.until(lambda d: step() >= first + 4 and step())  # the page fetched again by itself: 2 steps/s
+    assert browser.execute_script("return window.notReloaded") is True
+    assert browser.find_element(By.ID, "progress-rate").text not in ("", "–")
+    assert browser.find_element(By.ID, "progress-eta").text not in ("", "–")
+    assert {e.get_attribute("data-metric") for e in browser.find_elements(By.CSS_SELECTOR, "svg.chart")} == {"loss", "acc"}
+    assert browser.find_elements(By.CSS_SELECTOR, "svg.chart[data-metric=loss] polyline[data-try='1']")
+    assert float(browser.find_element(By.CSS_SELECTOR, "#newest-metrics tr[data-metric=loss] td.metric-value").text) \
+        == pytest.approx(1.0 / (1 + 0.1 * later), rel=0.05)
+    assert save_screenshot(browser, tmp_path, "horovod-view-live.png").stat().st_size > 20_000
+
+
+def wait_until(ready, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
 
 
 def _ctx(proc: psutil.Process) -> tuple[str | None, str | None, str | None]:

@@ -8,7 +8,6 @@ auth manager gives no DAG access, or no credentials at all.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import xml.etree.ElementTree as ET
@@ -18,6 +17,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from tests.integration.browser import BROWSER_WAIT_S, save_screenshot
 from tests.integration.conftest import NO_DAG_ACCESS_USER, PATH_PREFIX
 from tests.integration.deployment import Deployment
 
@@ -210,76 +210,7 @@ def test_symlinks_out_of_a_try_folder_are_not_followed(view_run):
         planted.rmdir()
 
 
-# -- in a real browser -------------------------------------------------------------------------------
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-SCREENSHOTS_ENV = "HVD_VIEW_SCREENSHOTS"  # a folder: the test also copies its screenshots there (docs/)
-BROWSER_WAIT_S = 60
-
-
-@pytest.fixture(scope="module")
-def browser(view_run, tmp_path_factory):
-    """Debian's headless Chromium, driven by its chromium-driver, logged in through the login form."""
-    import psutil
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not Path(p).exists()]
-    assert not missing, "%s missing: run scripts/setup (it installs chromium and chromium-driver)" % missing
-    downloads = tmp_path_factory.mktemp("downloads")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1000"):
-        options.add_argument(arg)
-    options.add_experimental_option("prefs", {"download.default_directory": str(downloads),
-                                              "download.prompt_for_download": False})
-    service = Service(CHROMEDRIVER, log_output=str(tmp_path_factory.mktemp("chromedriver") / "chromedriver.log"))
-    driver = webdriver.Chrome(service=service, options=options)
-    family = [service.process.pid, *(c.pid for c in psutil.Process(service.process.pid).children(recursive=True))]
-    driver.downloads = downloads
-    try:
-        driver.get(view_run.deployment.base_url + "/auth/login")
-        wait = WebDriverWait(driver, BROWSER_WAIT_S)
-        wait.until(lambda d: d.find_elements(By.NAME, "username"))[0].send_keys("admin")
-        driver.find_element(By.NAME, "password").send_keys(view_run.deployment.password)
-        driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-        wait.until(lambda d: "/auth/login" not in d.current_url)
-        yield driver
-    finally:
-        driver.quit()
-        assert _still_running(family, within_s=10) == [], "chromium processes left behind"
-
-
-def _still_running(pids: list[int], within_s: float) -> list[int]:
-    """Those of ``pids`` that have not ended (zombies count as ended) ``within_s`` seconds from now:
-    Chromium's helpers exit on their own once the browser has gone, a moment after ``quit()``."""
-    import psutil
-
-    procs = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            procs.append(psutil.Process(pid))
-    _, alive = psutil.wait_procs(procs, timeout=within_s)
-    left = []
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                left.append(proc.pid)
-    return left
-
-
-def _save(driver, tmp_path: Path, name: str) -> Path:
-    shot = tmp_path / name
-    driver.save_screenshot(str(shot))
-    if os.environ.get(SCREENSHOTS_ENV):
-        target = Path(os.environ[SCREENSHOTS_ENV])
-        target.mkdir(parents=True, exist_ok=True)
-        (target / name).write_bytes(shot.read_bytes())
-    return shot
-
-
+# -- in a real browser (the session's Chromium: tests/integration/browser.py) ---------------------------
 @pytest.mark.parametrize("task_id", ["trained", "fails"])
 def test_in_the_browser_the_horovod_timeline_link_opens_the_view(browser, view_run, task_id, tmp_path):
     from selenium.common.exceptions import ElementClickInterceptedException, StaleElementReferenceException
@@ -321,4 +252,4 @@ def test_in_the_browser_the_horovod_timeline_link_opens_the_view(browser, view_r
         browser.execute_script("window.scrollTo(0, 0)")
     finally:
         browser.switch_to.default_content()
-    assert _save(browser, tmp_path, "horovod-view-%s.png" % task_id).stat().st_size > 20_000
+    assert save_screenshot(browser, tmp_path, "horovod-view-%s.png" % task_id).stat().st_size > 20_000

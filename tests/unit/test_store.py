@@ -143,3 +143,24 @@ def test_task_state_store_names_the_newest_version_and_a_pruned_one_falls_back_t
     store.commit_version(try1, local2, second, keep=1)  # version 1 pruned: the record is stale
     assert store.recorded_checkpoint(state) is None
     assert store.recorded_checkpoint(None) is None
+
+
+def test_metrics_of_a_long_try_are_thinned_evenly_and_keep_the_newest_row():
+    rows = ['{"step": %d, "time": %d, "values": {"loss": 1}}' % (i, i) for i in range(1, 100_001)]
+    kept = store.parse_metrics(iter(rows + ["{cut", "[]"]), max_rows=500)
+    steps = [r["step"] for r in kept]
+    assert 250 <= len(steps) <= 501 and steps[0] == 1 and steps[-1] == 100_000 and steps == sorted(steps)
+    gaps = {b - a for a, b in zip(steps, steps[1:-1])}
+    assert len(gaps) == 1  # evenly spread over the whole try, not only its end
+    assert [r["step"] for r in store.parse_metrics(rows[:3], max_rows=500)] == [1, 2, 3]
+
+
+def test_metrics_are_committed_whole_over_the_previous_file(tmp_path):
+    folder = store.storage_path(tmp_path / "try-1")
+    folder.mkdir(parents=True)
+    local = tmp_path / "metrics.jsonl"
+    for steps in (1, 3):
+        local.write_text("".join('{"step": %d, "time": 1.0, "values": {"loss": 1}}\n' % s for s in range(steps)))
+        store.commit_metrics(folder, local)
+        assert [r["step"] for r in store.read_metrics(folder, max_rows=10)] == list(range(steps))
+    assert sorted(p.name for p in (tmp_path / "try-1").iterdir()) == ["metrics.jsonl"]  # no temporary left

@@ -36,6 +36,7 @@ def checkpoint_then_wait(step: int) -> None:
     for beat in range(100000):
         if beat % 10 == 0:
             print("training, beat %d" % beat, flush=True)
+        runtime.report(step=beat, total_steps=100000, loss=1.0 / (1 + 0.1 * beat), acc=beat / (beat + 10.0))
         time.sleep(0.5)
 
 
@@ -50,7 +51,7 @@ def resumed_step() -> int | None:
 def hvd_deploy_stop():
     """Two tasks at once: one the test marks failed, one that runs into its execution_timeout."""
 
-    @task.horovod(np=2)
+    @task.horovod(np=2, progress_interval=2)
     def until_marked_failed():
         checkpoint_then_wait(3)
 

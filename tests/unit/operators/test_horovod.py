@@ -9,7 +9,7 @@ from airflow.sdk import DAG, task
 from airflow_provider_horovod.decorators.horovod import horovod_task
 from airflow_provider_horovod.exceptions import DatasetError, PayloadError
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
-from airflow_provider_horovod.links import HorovodTimelineLink, SparkUILink
+from airflow_provider_horovod.links import HorovodTimelineLink, MlflowRunLink, SparkUILink
 from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator, _ranks_text, validate_np
 
 
@@ -78,7 +78,7 @@ def test_templated_np_that_renders_badly_fails_execute_after_pushing_the_link_ke
     with pytest.raises(ValueError, match=r"np must be a non-zero int after templating"):
         op.execute({"ti": ti})  # before any connection or Spark
     # every extra link's key exists, so the end of the failed task logs no "XCom not found"
-    assert set(ti.pushed) == {SparkUILink.xcom_key, HorovodTimelineLink.xcom_key}
+    assert set(ti.pushed) == {SparkUILink.xcom_key, HorovodTimelineLink.xcom_key, MlflowRunLink.xcom_key}
 
 
 def test_op_kwargs_key_the_function_does_not_take_fails_when_the_dag_is_parsed():
@@ -136,10 +136,10 @@ def test_reference_string_that_does_not_import_is_a_payload_error():
         HorovodRunnerHook.check_job("no_such_pkg_for_hvd.train:main")
 
 
-def test_operator_offers_the_spark_ui_and_timeline_links():
+def test_operator_offers_the_spark_ui_timeline_and_mlflow_links():
     names = {link.name for link in HorovodRunnerOperator.operator_extra_links}
-    assert names == {"Spark UI", "Horovod timeline"}
-    assert SparkUILink().xcom_key != HorovodTimelineLink().xcom_key
+    assert names == {"Spark UI", "Horovod timeline", "MLflow run"}
+    assert len({SparkUILink().xcom_key, HorovodTimelineLink().xcom_key, MlflowRunLink().xcom_key}) == 3
 
 
 def test_task_horovod_is_registered_and_builds_the_operator():

@@ -108,3 +108,28 @@ def test_a_killed_try_shows_its_committed_versions(root):
     [only] = TaskArtifacts.find("dag", "run", "train").tries()
     assert not only.committed
     assert [(v["seq"], v["step"], v["size"]) for v in only.versions()] == [(3, 30, 1)]
+
+
+def test_a_running_try_shows_its_live_metrics_and_a_linked_metrics_file_is_not_read(root, tmp_path):
+    from airflow_provider_horovod.plugins.view import _progress
+
+    task = root / "dag" / "run" / "train"
+    commit(task / "try-1", {"timeline.json": b"[]"}, status="failed")
+    (task / "try-1" / "metrics.jsonl").write_text(
+        '{"step": 0, "total_steps": 100, "time": 10.0, "values": {"loss": 2.0}}\n'
+        '{"step": 40, "total_steps": 100, "time": 30.0, "values": {"loss": 1.0}}\n')
+    (task / "try-2").mkdir()
+    (task / "try-2" / "metrics.jsonl").write_text(
+        '{"step": 40, "total_steps": 100, "time": 50.0, "values": {"loss": 1.0, "acc": 0.5}}\n'
+        '{"step": 60, "total_steps": 100, "time": 60.0, "values": {"loss": 0.8, "acc": 0.6}}\n{"step": 61, "ti')
+    first, second = TaskArtifacts.find("dag", "run", "train").tries()
+    live = _progress(second, running=True)
+    assert (live["status"], live["newest"]["step"], live["elapsed_s"], live["steps_per_s"], live["eta_s"]) == \
+        ("running", 60, 10.0, 2.0, 20.0)
+    done = _progress(first, running=False)
+    assert (done["status"], [r["step"] for r in done["rows"]], done["eta_s"]) == ("failed", [0, 40], None)
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text('{"step": 1, "time": 1.0, "values": {"leak": 1}}\n')
+    (task / "try-2" / "metrics.jsonl").unlink()
+    (task / "try-2" / "metrics.jsonl").symlink_to(secret)
+    assert second.metrics(10) == []

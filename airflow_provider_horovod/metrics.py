@@ -1,0 +1,137 @@
+"""What the driver does with rank 0's reports (``runtime.report``): the try's ``metrics.jsonl``,
+committed to the store every few seconds, a progress line in the task log at most every
+``progress_interval`` seconds, and whatever else listens (MLflow). Memory stays flat: the file is
+on disk, and only the first and the newest report are held."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_horovod.runner.messages import Report
+
+COMMIT_INTERVAL_S = 5.0  # how often metrics.jsonl is committed to the store while the try runs
+DEFAULT_PROGRESS_INTERVAL_S = 30.0  # [horovod] progress_interval, the operator's progress_interval
+
+
+def check_progress_interval(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError("progress_interval must be a positive number of seconds; got %r" % (value,))
+    return float(value)
+
+
+def metrics_line(report: Report) -> str:
+    """One line of ``metrics.jsonl``: step, total steps, time and values."""
+    return json.dumps({"step": report.step, "total_steps": report.total_steps, "time": report.time,
+                       "values": dict(report.metrics)}, allow_nan=False)
+
+
+def duration_text(seconds: float) -> str:
+    """``48s``, ``1m48s``, ``2h03m``."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return "%ds" % seconds
+    if seconds < 3600:
+        return "%dm%02ds" % divmod(seconds, 60)
+    return "%dh%02dm" % (seconds // 3600, seconds % 3600 // 60)
+
+
+def rate(first: Report, newest: Report) -> float | None:
+    """Steps per second between two reports; ``None`` without two steps some time apart."""
+    if first.step is None or newest.step is None or newest.time <= first.time or newest.step <= first.step:
+        return None
+    return (newest.step - first.step) / (newest.time - first.time)
+
+
+def progress_line(first: Report, newest: Report) -> str:
+    """``Horovod progress: step 1200/5000 (24%), loss 0.41, acc 0.88, 35.2 steps/s, ETA 1m48s``."""
+    parts = []
+    if newest.step is not None:
+        step = "step %d" % newest.step
+        if newest.total_steps:
+            step += "/%d (%d%%)" % (newest.total_steps, 100 * newest.step // newest.total_steps)
+        parts.append(step)
+    parts += ["%s %.4g" % (name, value) for name, value in newest.metrics.items()]
+    speed = rate(first, newest)
+    if speed is not None:
+        parts.append("%.1f steps/s" % speed)
+        if newest.total_steps and newest.step is not None and newest.step < newest.total_steps:
+            parts.append("ETA %s" % duration_text((newest.total_steps - newest.step) / speed))
+    return "Horovod progress: %s" % (", ".join(parts) or "reported")
+
+
+def final_values(newest: Report | None) -> dict[str, Any]:
+    """The try's final metrics as the XCom, the return value and the asset event carry them."""
+    if newest is None:
+        return {}
+    out: dict[str, Any] = dict(newest.metrics)
+    if newest.step is not None:
+        out["step"] = newest.step
+    if newest.total_steps is not None:
+        out["total_steps"] = newest.total_steps
+    return out
+
+
+class MetricsRecorder:
+    """Takes rank 0's reports (the engine's ``on_report``): appends each to a local
+    ``metrics.jsonl``, commits it with ``commit(path)`` every ``COMMIT_INTERVAL_S``, logs a
+    progress line at most every ``progress_interval`` seconds and passes each report to ``listeners``
+    (each handles its own errors)."""
+
+    def __init__(self, local: Path, *, commit: Callable[[Path], None], log: logging.Logger,
+                 progress_interval: float = DEFAULT_PROGRESS_INTERVAL_S,
+                 listeners: tuple[Callable[[Report], None], ...] = (), clock: Callable[[], float] = time.monotonic):
+        self.local = local
+        self._commit = commit
+        self._log = log
+        self._interval = check_progress_interval(progress_interval)
+        self._listeners = listeners
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.first: Report | None = None
+        self.newest: Report | None = None
+        self._logged: Report | None = None
+        self._last_line = self._last_commit = float("-inf")
+        self._committed_size = 0
+
+    def __call__(self, report: Report) -> None:
+        with self._lock:
+            self.first = self.first or report
+            self.newest = report
+            with self.local.open("a") as out:
+                out.write(metrics_line(report) + "\n")
+            now = self._clock()
+            if now - self._last_line >= self._interval:
+                self._last_line = now
+                self._progress()
+            if now - self._last_commit >= COMMIT_INTERVAL_S:
+                self._last_commit = now
+                self._store()
+        for listener in self._listeners:
+            listener(report)
+
+    def close(self) -> dict[str, Any]:
+        """The try ended: the last progress line and commit, if the last report missed them; the final values."""
+        with self._lock:
+            if self.newest is not None and self._logged is not self.newest:
+                self._progress()
+            if self.local.exists() and self.local.stat().st_size != self._committed_size:
+                self._store()
+            return final_values(self.newest)
+
+    def _progress(self) -> None:
+        self._logged = self.newest
+        self._log.info("%s", progress_line(self.first, self.newest))
+
+    def _store(self) -> None:
+        try:
+            size = self.local.stat().st_size
+            self._commit(self.local)
+            self._committed_size = size
+        except Exception as err:  # noqa: BLE001 - the next commit tries again; training goes on
+            self._log.warning("Could not commit metrics.jsonl to the artifact store: %s", err)

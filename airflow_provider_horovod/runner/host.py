@@ -44,6 +44,7 @@ class RunSpec:
     channel: tuple[str, int] | None
     env: dict[str, str] = dataclasses.field(repr=False)
     driver_python: str
+    driver_stack: dict[str, str] = dataclasses.field(default_factory=dict)  # environment.stack_of_this_host()
     gloo_timeout_s: int = 60
     timeline: bool = False
     collect_artifacts: bool = False

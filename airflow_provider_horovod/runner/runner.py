@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -30,22 +31,22 @@ from airflow_provider_horovod.exceptions import (
 )
 from airflow_provider_horovod.runner import executors, names, procs, wire
 from airflow_provider_horovod.runner.artifacts import Limits, check_writable, commit
-from airflow_provider_horovod.runner.barrier import ERROR_MARKER, TaskFailure, check_facts, parse_failure, run_local
+from airflow_provider_horovod.runner.barrier import ERROR_MARKER, TaskFailure, checked_plan, parse_failure, run_local
 from airflow_provider_horovod.runner.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.dataset import DatasetSpec, check_dataset, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
+from airflow_provider_horovod.runner.environment import require_training_stack, stack_of_this_host
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport, RunStatus
 from airflow_provider_horovod.runner.host import RunSpec
 from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S, Launcher, check_options
 from airflow_provider_horovod.runner.payload import build_payload, describe
-from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
+from airflow_provider_horovod.runner.plan import make_plan, slot_summary
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, Version, VersionSink, check_keep
 from airflow_provider_horovod.runner.versions import committed as committed_versions
 from airflow_provider_horovod.runner.supervisor import (
     Action,
     CutOff,
     Deadlines,
-    PlanError,
     Release,
     SendPlan,
     SendStart,
@@ -163,6 +164,7 @@ class HorovodRunner:
     # -- public ---------------------------------------------------------------------------------
     def run(self, main: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
         """Run ``main(*args, **kwargs)`` on every rank and return rank 0's return value."""
+        require_training_stack(self.launcher)  # before Spark starts: a light install fails here, naming the fix
         payload = build_payload(main, args, kwargs)
         artifact_dir = self.artifact_dir and check_writable(self.artifact_dir)
         if self.timeline and artifact_dir is None:
@@ -251,6 +253,7 @@ class HorovodRunner:
             channel=channel,
             env=self.env,
             driver_python=platform.python_version(),
+            driver_stack=stack_of_this_host(),
             timeline=self.timeline,
             collect_artifacts=self.artifact_dir is not None,
             has_resume=self.resume_from is not None,
@@ -301,12 +304,7 @@ class HorovodRunner:
                 with contextlib.suppress(Exception):
                     spark.removeTag(tag)
 
-        def planner(facts: list[TaskFacts]) -> Plan:
-            failure = check_facts(spec.driver_python, facts)
-            if failure is not None:
-                raise PlanError(failure)
-            return make_plan(facts)
-
+        planner = functools.partial(checked_plan, spec.driver_python, spec.driver_stack)
         sup = Supervisor(self.np, coordinated=address is not None, planner=planner, deadlines=self.deadlines,
                          now=time.monotonic())
         _in_thread("hvdrunner-job-%s" % spec.run_id, collect, events)

@@ -105,8 +105,9 @@ def require_training_stack(launcher: Launcher) -> HorovodBuild:
     absent = [module for name, (_stem, _key, module) in EXTENSIONS.items()
               if any(f.startswith(name + " ") for f in build.frameworks) and importlib.util.find_spec(module) is None]
     if len(absent) == len(build.frameworks):
-        raise TrainingStackError("%s is built with %s, but %s is not installed in %s. Install it: %s." % (
-            build.describe(), ", ".join(build.frameworks), " nor ".join(absent), python, INSTALL_HINT))
+        which = "%s is" % absent[0] if len(absent) == 1 else "neither %s is" % " nor ".join(absent)
+        raise TrainingStackError("%s is built for its frameworks, but %s installed in %s. Install it: %s." % (
+            build.describe(), which, python, INSTALL_HINT))
     return build
 
 

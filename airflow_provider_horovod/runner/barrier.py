@@ -184,7 +184,6 @@ class TaskServices:
 
     def __init__(self, spec: RunSpec, partition: int, executor: str, address: str, task: TaskDir,
                  env: dict[str, str], client: ChannelClient) -> None:
-        from airflow_provider_horovod.runner.gloo import Rendezvous
         from airflow_provider_horovod.runner.mpi import ExecService
 
         self.exec_service = self.rendezvous = self._hnp_port = None
@@ -197,6 +196,8 @@ class TaskServices:
 
             self.exec_service = ExecService(address, spec.secret, env, os.getpid(), on_launch, log_path=task.orted_log)
         if spec.launcher == Launcher.GLOO and partition == 0:
+            from airflow_provider_horovod.runner.gloo import Rendezvous  # Horovod's server: imports Horovod
+
             self.rendezvous = Rendezvous(address, spec.secret)
 
     @property

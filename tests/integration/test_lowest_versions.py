@@ -58,8 +58,9 @@ def test_the_lowest_supported_versions_pass_the_unit_tests_a_job_per_launcher_an
     assert importlib.metadata.version("pyspark") != pins()["pyspark"]  # the suite's own is another
     made = time.monotonic() - started
     env = {**os.environ, "PATH": "%s:%s" % (python.parent, os.environ["PATH"]), "SPARK_LOCAL_IP": "127.0.0.1"}
-    proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *UNDER_LOWEST],
+    proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-rs", *UNDER_LOWEST],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    print("lowest venv made in %.1f s, its tests took %.1f s" % (made, time.monotonic() - started - made))
+    print("lowest venv made in %.1f s, its tests took %.1f s: %s" % (made, time.monotonic() - started - made,
+                                                                    proc.stdout.strip().splitlines()[-1]))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout.strip().splitlines()[-1]

@@ -9,23 +9,27 @@ from __future__ import annotations
 from airflow_provider_horovod.exceptions import (
     ArtifactError,
     DatasetError,
+    ExecutorMismatchError,
     HorovodRunError,
     InsufficientSlotsError,
     Keras3NotSupportedError,
     PayloadError,
     RunCancelledError,
+    TrainingStackError,
 )
 __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactError",
     "DatasetError",
+    "ExecutorMismatchError",
     "HorovodRunError",
     "HorovodRunner",
     "InsufficientSlotsError",
     "Keras3NotSupportedError",
     "PayloadError",
     "RunCancelledError",
+    "TrainingStackError",
     "__version__",
 ]
 

@@ -44,6 +44,17 @@ class InsufficientSlotsError(HorovodRunError):
     """The cluster has fewer barrier slots than the ranks asked for."""
 
 
+class TrainingStackError(HorovodRunError):
+    """The driver's Python cannot run a job: Horovod is missing, or built without a framework, MPI
+    or Gloo, or its framework is not installed. Raised before Spark starts; the message names the
+    missing piece and the command that installs it."""
+
+
+class ExecutorMismatchError(HorovodRunError):
+    """An executor's environment differs from the driver's (this provider's version, the Horovod
+    build). Raised before any rank starts; the message names the host and what differs."""
+
+
 class PayloadError(ValueError):
     """The training callable or its arguments cannot be shipped to the ranks."""
 

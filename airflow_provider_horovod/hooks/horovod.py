@@ -297,11 +297,17 @@ class HorovodRunnerHook(BaseHook):
         return result, self.last_run
 
     @staticmethod
-    def check_job(training_callable: Callable[..., Any] | str, op_args: Any = (), op_kwargs: Any = None) -> None:
-        """Fail before anything starts when the job cannot be shipped: a reference string that does
-        not import, an unpicklable closure or arguments that do not fit the signature (``PayloadError``)."""
+    def check_job(training_callable: Callable[..., Any] | str, op_args: Any = (), op_kwargs: Any = None, *,
+                  launcher: str = "mpirun") -> None:
+        """Fail before anything starts (Spark included) when this Python cannot run ``launcher``: no
+        Horovod, or one built without it or without a framework (``TrainingStackError``, naming the
+        install command); or when the job cannot be shipped: a reference string that does not import,
+        an unpicklable closure or arguments that do not fit the signature (``PayloadError``)."""
+        from airflow_provider_horovod.runner.environment import require_training_stack
+        from airflow_provider_horovod.runner.options import Launcher
         from airflow_provider_horovod.runner.payload import build_payload
 
+        require_training_stack(Launcher(launcher))
         build_payload(training_callable, tuple(op_args or ()), dict(op_kwargs or {}))
 
     def cancel(self) -> None:

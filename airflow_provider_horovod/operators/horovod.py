@@ -182,7 +182,7 @@ class HorovodRunnerOperator(BaseOperator):
         self._push_links(context)
         np = validate_np(self.np)
         validate_resume(self.resume)
-        self.hook.check_job(self.training_callable, self.op_args, self.op_kwargs)
+        self.hook.check_job(self.training_callable, self.op_args, self.op_kwargs, launcher=self.launcher)
         folder = self._try_folder(context)
         source, resume_from = self._resume_from(folder, context)
         self._push_spark_ui(context, np)

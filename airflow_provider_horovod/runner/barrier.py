@@ -18,10 +18,12 @@ import traceback
 from collections.abc import Iterable
 from typing import Any
 
+from airflow_provider_horovod.exceptions import ExecutorMismatchError
 from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.artifacts import fetch_resume
 from airflow_provider_horovod.runner.channel import ChannelClient
 from airflow_provider_horovod.runner.dataset import spill
+from airflow_provider_horovod.runner.environment import stack_differences, stack_of_this_host
 from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.host import (
     RunSpec,
@@ -41,11 +43,12 @@ from airflow_provider_horovod.runner.network import LOOPBACK, Endpoint, endpoint
 from airflow_provider_horovod.runner.options import Launcher
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan
 from airflow_provider_horovod.runner.shipper import ship_checkpoints
+from airflow_provider_horovod.runner.supervisor import PlanError
 
 ERROR_MARKER = "@@HVDRUNNER-ERROR@@"
 RESULT_CHUNK = 4 * 1024 * 1024
 
-__all__ = ["RunSpec", "TaskFailure", "check_facts", "parse_failure", "run_local", "run_task", "spark_task"]
+__all__ = ["RunSpec", "TaskFailure", "check_facts", "checked_plan", "parse_failure", "run_local", "run_task", "spark_task"]
 
 
 class TaskFailure(RuntimeError):
@@ -71,10 +74,17 @@ def parse_failure(text: str) -> Failure | None:
     return None
 
 
-def check_facts(driver_python: str, facts: list[TaskFacts]) -> Failure | None:
-    """Why an executor cannot run the job, in words that say what to fix; None when all can."""
+def check_facts(driver_python: str, facts: list[TaskFacts], driver_stack: dict[str, str] | None = None) -> Failure | None:
+    """Why an executor cannot run the job, in words that say what to fix; None when all can.
+    ``driver_stack``: the driver's ``environment.stack_of_this_host()``, which every executor's must equal."""
     driver_mm = ".".join(driver_python.split(".")[:2])
     for f in facts:
+        differences = stack_differences(driver_stack or {}, f.stack)
+        if differences:
+            return Failure("The executor %s (partition %d) runs another environment than the driver: %s. Give the "
+                           "executors the driver's environment (a packed virtualenv in spark.archives, or the same "
+                           "image; see docs/how-to.md)." % (f.executor, f.partition, "; ".join(differences)),
+                           executor=f.executor, error_class=ExecutorMismatchError.__name__)
         if ".".join(f.python.split(".")[:2]) != driver_mm:
             return Failure("Python %s on executor %s differs from the driver's %s. Point PYSPARK_PYTHON at the "
                            "same Python version on the driver and the executors." % (f.python, f.executor, driver_python),
@@ -84,6 +94,14 @@ def check_facts(driver_python: str, facts: list[TaskFacts]) -> Failure | None:
                            "(apt-get install openmpi-bin), or use launcher='gloo'." % (" and ".join(f.missing), f.executor),
                            executor=f.executor)
     return None
+
+
+def checked_plan(driver_python: str, driver_stack: dict[str, str], facts: list[TaskFacts]) -> Plan:
+    """The driver's planner: the plan of ``facts``, or ``PlanError`` when ``check_facts`` refuses them."""
+    failure = check_facts(driver_python, facts, driver_stack)
+    if failure is not None:
+        raise PlanError(failure)
+    return make_plan(facts)
 
 
 def unreachable_driver(channel: tuple[str, int], partition: int, executor: str, error: str | None) -> Failure:
@@ -143,7 +161,7 @@ class SparkCoordinator:
 
     def plan(self, facts: TaskFacts, spec: RunSpec) -> Plan:
         gathered = [TaskFacts.from_json(m) for m in self.ctx.allGather(facts.to_json())]
-        failure = check_facts(spec.driver_python, gathered)
+        failure = check_facts(spec.driver_python, gathered, spec.driver_stack)
         if failure is not None:
             raise TaskFailure(failure)
         return make_plan(gathered)
@@ -163,7 +181,6 @@ class TaskServices:
 
     def __init__(self, spec: RunSpec, partition: int, executor: str, address: str, task: TaskDir,
                  env: dict[str, str], client: ChannelClient) -> None:
-        from airflow_provider_horovod.runner.gloo import Rendezvous
         from airflow_provider_horovod.runner.mpi import ExecService
 
         self.exec_service = self.rendezvous = self._hnp_port = None
@@ -176,6 +193,8 @@ class TaskServices:
 
             self.exec_service = ExecService(address, spec.secret, env, os.getpid(), on_launch, log_path=task.orted_log)
         if spec.launcher == Launcher.GLOO and partition == 0:
+            from airflow_provider_horovod.runner.gloo import Rendezvous  # Horovod's server: imports Horovod
+
             self.rendezvous = Rendezvous(address, spec.secret)
 
     @property
@@ -203,7 +222,7 @@ def task_facts(ctx, spec: RunSpec, partition: int, executor: str, endpoint: Endp
         python=platform.python_version(), gpus=tuple(resources["gpu"].addresses) if "gpu" in resources else (),
         service_port=services.exec_service.port if services.exec_service else 0,
         rendezvous_port=services.rendezvous.port if services.rendezvous else 0, hnp_port=services.hnp_port,
-        iface=endpoint.iface, network=endpoint.network, missing=missing_programs(spec),
+        iface=endpoint.iface, network=endpoint.network, missing=missing_programs(spec), **stack_of_this_host(),
     )
 
 

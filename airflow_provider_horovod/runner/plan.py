@@ -12,8 +12,6 @@ import dataclasses
 import json
 from typing import Any
 
-from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
-
 from airflow_provider_horovod.runner import names
 from airflow_provider_horovod.runner.options import Launcher
 
@@ -36,6 +34,13 @@ class TaskFacts:
     iface: str = ""  # the name of the interface holding ``address`` on this host (Gloo uses it)
     network: str = ""  # that interface's network in CIDR notation, e.g. ``10.0.3.0/24`` (mpirun uses it)
     missing: tuple[str, ...] = ()  # programs the launcher needs that are not on PATH here
+    provider: str = ""  # this package's installed version on the executor (``environment``)
+    horovod: str = ""  # the executor's Horovod build, one line (``environment.HorovodBuild.describe``)
+
+    @property
+    def stack(self) -> dict[str, str]:
+        """What ``environment.stack_differences`` compares with the driver's."""
+        return {"provider": self.provider, "horovod": self.horovod}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -119,6 +124,8 @@ def make_plan(facts: list[TaskFacts]) -> Plan:
     Hosts are ordered by their lowest partition, so partition 0's host comes first; within a host,
     tasks are ordered by partition. That makes partition 0 rank 0 and every host's ranks contiguous.
     """
+    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments  # the driver has it (checked)
+
     if not facts:
         raise ValueError("no barrier tasks reported")
     by_executor: dict[str, list[TaskFacts]] = {}

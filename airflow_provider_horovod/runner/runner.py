@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -31,16 +32,17 @@ from airflow_provider_horovod.exceptions import (
 )
 from airflow_provider_horovod.runner import executors, messages, names, procs, wire
 from airflow_provider_horovod.runner.artifacts import Limits, check_writable, commit
-from airflow_provider_horovod.runner.barrier import ERROR_MARKER, TaskFailure, check_facts, parse_failure, run_local
+from airflow_provider_horovod.runner.barrier import ERROR_MARKER, TaskFailure, checked_plan, parse_failure, run_local
 from airflow_provider_horovod.runner.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.dataset import DatasetSpec, check_dataset, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
+from airflow_provider_horovod.runner.environment import require_training_stack, stack_of_this_host
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport, RunStatus
 from airflow_provider_horovod.runner.host import RunSpec
 from airflow_provider_horovod.runner.messages import Report
 from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, DEFAULT_START_TIMEOUT_S, Launcher, check_options
 from airflow_provider_horovod.runner.payload import build_payload, describe
-from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
+from airflow_provider_horovod.runner.plan import make_plan, slot_summary
 from airflow_provider_horovod.runner.stall import stall_in, whole_seconds
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, Version, VersionSink, check_keep
 from airflow_provider_horovod.runner.versions import committed as committed_versions
@@ -48,7 +50,6 @@ from airflow_provider_horovod.runner.supervisor import (
     Action,
     CutOff,
     Deadlines,
-    PlanError,
     Release,
     SendPlan,
     SendStart,
@@ -178,6 +179,7 @@ class HorovodRunner:
     # -- public ---------------------------------------------------------------------------------
     def run(self, main: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
         """Run ``main(*args, **kwargs)`` on every rank and return rank 0's return value."""
+        require_training_stack(self.launcher)  # before Spark starts: a light install fails here, naming the fix
         payload = build_payload(main, args, kwargs)
         artifact_dir = self.artifact_dir and check_writable(self.artifact_dir)
         if self.timeline and artifact_dir is None:
@@ -268,6 +270,7 @@ class HorovodRunner:
             env=self.env,
             driver_python=platform.python_version(),
             stall_timeout_s=self.stall_timeout,
+            driver_stack=stack_of_this_host(),
             timeline=self.timeline,
             collect_artifacts=self.artifact_dir is not None,
             has_resume=self.resume_from is not None,
@@ -318,12 +321,7 @@ class HorovodRunner:
                 with contextlib.suppress(Exception):
                     spark.removeTag(tag)
 
-        def planner(facts: list[TaskFacts]) -> Plan:
-            failure = check_facts(spec.driver_python, facts)
-            if failure is not None:
-                raise PlanError(failure)
-            return make_plan(facts)
-
+        planner = functools.partial(checked_plan, spec.driver_python, spec.driver_stack)
         sup = Supervisor(self.np, coordinated=address is not None, planner=planner, deadlines=self.deadlines,
                          now=time.monotonic())
         _in_thread("hvdrunner-job-%s" % spec.run_id, collect, events)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from airflow_provider_horovod.runner import environment
+
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).parent
 
@@ -21,6 +23,10 @@ def test_horovod_build_has_pytorch_mpi_and_gloo_and_tensorflow_with_the_extra():
     with_tensorflow = importlib.util.find_spec("tensorflow") is not None  # scripts/setup --with tensorflow
     for line in ("[X] PyTorch", "[X] MPI", "[X] Gloo") + (("[X] TensorFlow",) if with_tensorflow else ()):
         assert line in out, out
+    # what every barrier task reports, read from the files: the same as Horovod's own check
+    build = environment.horovod_build()
+    assert build.controllers == ("MPI", "Gloo")
+    assert [f.split()[0] for f in build.frameworks] == ["pytorch"] + (["tensorflow"] if with_tensorflow else [])
 
 
 @pytest.mark.slow

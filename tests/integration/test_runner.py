@@ -475,3 +475,28 @@ def test_hook_session_on_a_local_master_gives_the_executors_the_driver_interpret
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert json.loads(out.read_text()) == {"rank_python": sys.executable, "conf": sys.executable}
+
+
+
+def test_an_executor_with_another_horovod_build_is_refused_before_any_rank_starts(spark, tmp_path):
+    # The executors' Python workers (only theirs: sc.environment is spark.executorEnv.*) find another
+    # Horovod first on their PYTHONPATH: one as PyPI's sdist builds it, without any extension.
+    from airflow_provider_horovod import ExecutorMismatchError
+    from airflow_provider_horovod.runner.environment import horovod_build
+
+    sdist_build = tmp_path / "pypi-horovod" / "horovod"
+    sdist_build.mkdir(parents=True)
+    (sdist_build / "__init__.py").write_text("__version__ = '0.28.1'\n")
+    environment = spark.sparkContext.environment
+    environment["PYTHONPATH"] = str(sdist_build.parent)
+    try:
+        runner = HorovodRunner(2, spark=spark)  # mpirun: a Gloo task starts Horovod's rendezvous before it reports
+        with pytest.raises(ExecutorMismatchError) as info:
+            runner.run(jobs.allreduce_job)
+    finally:
+        del environment["PYTHONPATH"]
+    message = str(info.value)
+    assert "Horovod horovod 0.28.1 (no framework; no MPI, no Gloo) here, %s on the driver" % horovod_build().describe() \
+        in message
+    assert "The executor " in message and "(partition 0)" in message and "spark.archives" in message
+    assert "start" not in runner.last_run.phases and runner.last_run.status == "failed"

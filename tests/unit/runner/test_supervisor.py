@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 
+from airflow_provider_horovod.runner.barrier import checked_plan
 from airflow_provider_horovod.runner.events import (
     CancelRequested,
     Failure,
@@ -211,3 +215,39 @@ def test_a_tasks_own_report_in_the_stage_error_comes_before_the_tasks_spark_abor
     unreachable = Failure("The barrier task of partition 1 cannot reach the driver's channel at 10.0.0.1:4242")
     sup.handle(JobEnded(error=RuntimeError("stage failed"), failure=unreachable), 3.0)
     assert sup.done and sup.cause is unreachable
+
+
+DRIVER_STACK = {"provider": "0.1.0", "horovod": "horovod 0.28.1 (pytorch 2.13.0+cpu; MPI, Gloo)"}
+
+
+def checked(np: int = 2) -> Supervisor:
+    return supervisor(np, planner=functools.partial(checked_plan, "3.11.2", DRIVER_STACK))
+
+
+def test_executors_with_the_drivers_provider_version_and_horovod_build_get_the_plan():
+    sup = checked()
+    sup.handle(FactsReported(dataclasses.replace(facts(0), **DRIVER_STACK)), 0.1)
+    [action] = sup.handle(FactsReported(dataclasses.replace(facts(1), **DRIVER_STACK)), 0.2)
+    assert isinstance(action, SendPlan)
+
+
+def test_an_executor_with_another_provider_version_is_refused_before_any_rank_starts_naming_it():
+    sup = checked()
+    sup.handle(FactsReported(dataclasses.replace(facts(0), **DRIVER_STACK)), 0.1)
+    other = dataclasses.replace(facts(1), executor="10.0.3.12:48638", **{**DRIVER_STACK, "provider": "0.0.9"})
+    assert sup.handle(FactsReported(other), 0.2) == [Stop()]
+    assert sup.plan is None and sup.reason == "error"
+    assert sup.cause.error_class == "ExecutorMismatchError" and sup.cause.executor == "10.0.3.12:48638"
+    assert "executor 10.0.3.12:48638 (partition 1)" in sup.cause.message
+    assert "airflow-provider-horovod 0.0.9 here, 0.1.0 on the driver" in sup.cause.message
+    assert "spark.archives" in sup.cause.message
+
+
+def test_an_executor_whose_horovod_lacks_gloo_is_refused_naming_both_builds():
+    sup = checked()
+    built = "horovod 0.28.1 (pytorch 2.13.0+cpu; MPI)"
+    sup.handle(FactsReported(dataclasses.replace(facts(0), **{**DRIVER_STACK, "horovod": built})), 0.1)
+    sup.handle(FactsReported(dataclasses.replace(facts(1), **DRIVER_STACK)), 0.2)
+    assert sup.plan is None and sup.cause.error_class == "ExecutorMismatchError"
+    assert "Horovod %s here, %s on the driver" % (built, DRIVER_STACK["horovod"]) in sup.cause.message
+    assert "(partition 0)" in sup.cause.message

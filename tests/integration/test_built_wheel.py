@@ -57,11 +57,11 @@ class WheelVenv:
         self.home = root / "airflow"
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
         self.python = root / "venv" / "bin" / "python"
+        self.env = self._env()
         site = Path(self.run_python("import sysconfig; print(sysconfig.get_path('purelib'))").stdout.strip())
         (site / "suite-dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
         self.run_python("import runpy; runpy.run_module('pip', run_name='__main__')",
                         "install", "--no-deps", "-q", str(wheel))
-        self.env = self._env()
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("AIRFLOW_CONN_")}
@@ -75,11 +75,10 @@ class WheelVenv:
         return env
 
     def run_python(self, code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return self.run([str(self.python), "-c", code, *args], timeout=timeout, env=getattr(self, "env", None))
+        return self.run([str(self.python), "-c", code, *args], timeout=timeout)
 
-    def run(self, argv: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        proc = subprocess.run(argv, cwd=self.root, env=env if env is not None else self.env, capture_output=True,
-                              text=True, timeout=timeout)
+    def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        proc = subprocess.run(argv, cwd=self.root, env=self.env, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, (argv, proc.stdout[-3000:], proc.stderr[-5000:])
         return proc
 

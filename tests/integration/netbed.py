@@ -3,7 +3,8 @@
 Each host has its own address in a private subnet, its loopback up and an interface named
 differently from the others' (``enp0s3`` on the driver, ``eth0``, ``ens5``, ... on the workers),
 as on real machines. Worker hosts also get a private ``/tmp`` (a mount namespace with its own
-tmpfs) and a host name of their own (a UTS namespace, with an ``/etc/hosts`` naming every host),
+tmpfs, into which a checkout and virtualenv that lie under /tmp are bound) and a host name of
+their own (a UTS namespace, with an ``/etc/hosts`` naming every host),
 both held by a *keeper* process: no host reads another's files, the driver included, and no two
 hosts look like one machine to Gloo or Open MPI. A host's
 link can be shaped (``tc tbf``), and new TCP connections from a host to a range of the driver's
@@ -47,6 +48,15 @@ _NETNS = re.compile(r"^%s-(\d+)-([0-9a-f]{6})-" % PREFIX)
 WORKER_IFACES = ("eth0", "ens5", "enp7s0", "eth1")
 DRIVER_IFACE = "enp0s3"
 TMPFS_SIZE = "3g"
+
+
+def shared_under_tmp() -> list[Path]:
+    """The checkout and the virtualenv running it, where they lie under /tmp (outermost only): the
+    folders every host must see although each worker host has a private /tmp."""
+    tmp = Path("/tmp")
+    wanted = sorted({p for p in (Path(__file__).resolve().parents[2], Path(sys.prefix).resolve())
+                     if p.is_relative_to(tmp) and p != tmp})
+    return [p for p in wanted if not any(p != q and p.is_relative_to(q) for q in wanted)]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -193,13 +203,11 @@ class NetBed:
         return None
 
     def up(self) -> NetBed:
-        if Path(sys.executable).resolve().is_relative_to("/tmp"):
-            raise RuntimeError("The bed's worker hosts have a private /tmp, so they cannot see this checkout's Python "
-                               "(%s): clone the repository outside /tmp to run the multi-host tests." % sys.executable)
         sweep()
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
+            self.tmp_stash.mkdir()
             for i, host in enumerate(self.hosts.values()):
                 _ip("netns", "add", host.netns)
                 tmp = "hv%sp%d" % (self.id, i)
@@ -227,6 +235,12 @@ class NetBed:
         which each worker host has its own of."""
         return Path("/dev/shm/%s-%d-%s-jvm-hosts" % (PREFIX, self.owner, self.id))
 
+    @property
+    def tmp_stash(self) -> Path:
+        """An empty folder outside /tmp where each worker host fills its private /tmp (in its own mount
+        namespace) before moving it onto /tmp."""
+        return Path("/dev/shm/%s-%d-%s-tmp" % (PREFIX, self.owner, self.id))
+
     def jvm_options(self) -> str:
         """``JAVA_TOOL_OPTIONS`` of the bed's JVMs under ``loopback_names``: names resolve to addresses."""
         return "-Djdk.net.hosts.file=%s" % self.jvm_hosts_file
@@ -240,15 +254,19 @@ class NetBed:
             if h.hostname and not (self.loopback_names and h is host))
 
     def _keep_private_tmp(self, host: Host) -> int:
-        """A process that holds the host's own namespaces: files (a tmpfs of its own on /tmp) and host
-        name (Gloo and Open MPI take ranks with the same host name for neighbours on one machine:
-        shared memory, loopback), with an /etc/hosts that resolves the bed's hosts (``etc_hosts``)."""
-        hosts = self.etc_hosts(host)
-        script = ('hostname "$1" && mount -t tmpfs -o size=%s,mode=1777 hvdtb /tmp && printf "%%s" "$2" > /tmp/.hosts '
+        """A process that holds the host's own namespaces: files (a tmpfs of its own on /tmp, with the
+        checkout and its virtualenv bound in where they lie under /tmp) and host name (Gloo and Open MPI
+        take ranks with the same host name for neighbours on one machine: shared memory, loopback), with
+        an /etc/hosts that resolves the bed's hosts (``etc_hosts``). The tmpfs is filled on ``tmp_stash``
+        while the machine's /tmp is still visible to the bindings, then moved onto /tmp."""
+        script = ('hostname "$1" && mount -t tmpfs -o size=%s,mode=1777 hvdtb "$3" '
+                  '&& for p in "${@:4}"; do mkdir -p "$3${p#/tmp}" && mount --bind "$p" "$3${p#/tmp}" || exit 1; done '
+                  '&& mount --move "$3" /tmp && printf "%%s" "$2" > /tmp/.hosts '
                   '&& mount --bind /tmp/.hosts /etc/hosts && echo ready && exec sleep 1000000' % TMPFS_SIZE)
         keeper = subprocess.Popen(
             ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--uts", "--propagation", "private", "--",
-             "sh", "-c", script, "keeper", host.hostname, hosts],
+             "bash", "-c", script, "keeper", host.hostname, self.etc_hosts(host), str(self.tmp_stash),
+             *map(str, shared_under_tmp())],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self._keepers.append(keeper)
         line = keeper.stdout.readline().strip()
@@ -269,6 +287,8 @@ class NetBed:
             _ip("link", "del", host.peer, check=False)
         _ip("link", "del", self.bridge, check=False)
         self.jvm_hosts_file.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.tmp_stash.rmdir()
 
     def leftovers(self) -> list[str]:
         """What of this bed is still on the machine (namespaces, links): empty after ``down()``."""
@@ -318,6 +338,8 @@ def sweep() -> list[str]:
         removed.append(name)
         bed_id = found.group(2)
         Path("/dev/shm/%s-%s-%s-jvm-hosts" % (PREFIX, found.group(1), bed_id)).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            Path("/dev/shm/%s-%s-%s-tmp" % (PREFIX, found.group(1), bed_id)).rmdir()
         for link in _ip("-br", "link", check=False).stdout.splitlines():
             link_name = link.split()[0].split("@")[0]
             if link_name.startswith("hv%s" % bed_id):

@@ -1,16 +1,14 @@
 """The engine across hosts whose own names resolve to loopback, as on Debian (``127.0.1.1 <hostname>``
 in ``/etc/hosts``): the bed of ``test_hosts.py`` with ``NetBed(loopback_names=True)``, Spark's
-workers started by host name. mpirun runs here. Gloo does not yet: although every task reports
-its real address and interface (the plan has them, ``HOROVOD_GLOO_IFACE`` names the NIC), a Gloo
-rank advertises the address its host name resolves to and its peer dies with ``gloo::IoException
-... connect [127.0.1.1]:...: Connection refused``. Horovod 0.28's ``GlooContext::InitializeForProcessSet``
-(gloo_context.cc) makes its device from its own, never set ``gloo_iface_`` instead of the global
-context's, so Gloo falls back to ``gethostname()``. The Gloo case is a strict xfail until the
-Horovod build patches that (issue 19), so it fails the day it passes.
+workers started by host name. Both launchers run here. Every task reports its real address and
+interface (the plan has them, ``HOROVOD_GLOO_IFACE`` names the NIC); unpatched, Horovod 0.28's
+``GlooContext::InitializeForProcessSet`` (gloo_context.cc) makes its device from its own, never set
+``gloo_iface_`` instead of the global context's, so a Gloo rank advertised the address of
+``gethostname()`` and its peer died with ``gloo::IoException ... connect [127.0.1.1]:...:
+Connection refused``. The Horovod builder patches that line (``airflow_provider_horovod/builder.py``).
 """
 
 from __future__ import annotations
-
 
 import pytest
 
@@ -51,11 +49,7 @@ def test_each_worker_hosts_own_name_resolves_to_loopback(netbed):
         assert resolved.stdout.split()[:1] == ["127.0.1.1"], resolved.stdout
 
 
-GLOO_ADVERTISES_THE_HOST_NAME = pytest.mark.xfail(
-    strict=True, reason="issue 19: a Gloo rank advertises its host name's address (127.0.1.1), not HOROVOD_GLOO_IFACE's")
-
-
-@pytest.mark.parametrize("launcher", ["mpirun", pytest.param("gloo", marks=GLOO_ADVERTISES_THE_HOST_NAME)])
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
 def test_ranks_on_hosts_whose_names_resolve_to_loopback_reach_each_other(netbed, bed_runs, launcher):
     got = run_of(bed_runs, "%s-2" % launcher)
     assert "error_type" not in got, got.get("message")

@@ -1,0 +1,276 @@
+"""Build Horovod 0.28.1 for the torch (and TensorFlow) of this environment: ``airflow-horovod build``.
+
+No Horovod wheel exists on PyPI, and its sdist does not build against torch >= 2.1, CMake 4 or
+TensorFlow 2.21 as released. This module fetches the sdist with pip, applies ``PATCHES``, builds
+against the frameworks installed beside it (no build isolation), caches the wheel outside any
+checkout, installs it and checks it with ``horovodrun --check-build``. ``scripts/setup`` calls it.
+Only the standard library is imported: setup runs it before the package itself is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+from pathlib import Path
+
+HOROVOD_VERSION = "0.28.1"
+TENSORFLOW = "tensorflow"
+FRAMEWORKS = ("torch", TENSORFLOW)
+CHECK_BUILD_NAMES = {"torch": "PyTorch", TENSORFLOW: "TensorFlow"}
+
+
+class HorovodBuildError(RuntimeError):
+    """Horovod could not be built, installed or verified; the message says what to install or read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """Line ``line`` (1-based) of ``path`` in the sdist reads ``old`` (indentation aside) and becomes ``new``."""
+
+    path: str
+    line: int
+    old: str
+    new: str
+    why: str
+    framework: str | None = None  # applied only when that framework is built
+
+
+PATCHES = (
+    Patch("CMakeLists.txt", 19, "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)",
+          "torch >= 2.1 headers need C++17, and Gloo must be built with the same standard"),
+    Patch("horovod/torch/CMakeLists.txt", 67, "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)",
+          "torch >= 2.1 headers need C++17"),
+    Patch("horovod/common/gloo/gloo_context.cc", 282, "device_attr.iface = gloo_iface_;",
+          "device_attr.iface = global_context.gloo_iface_;",
+          "a process set's device must bind HOROVOD_GLOO_IFACE like the global one: its own gloo_iface_ is never"
+          " set, so Gloo advertised the address of gethostname(), loopback on Debian's 127.0.1.1 hosts"),
+    Patch("horovod/tensorflow/xla_mpi_ops.cc", 23, "#if TENSORFLOW_VERSION >= 2006000000",
+          "#if TENSORFLOW_VERSION >= 2006000000 && HAVE_GPU",
+          "GPU-only file; on TF >= 2.6 its XLA headers need highwayhash, which TensorFlow's wheel lacks",
+          TENSORFLOW),
+    Patch("horovod/tensorflow/keras/__init__.py", 29, "from keras import backend as K",
+          "K = keras.backend  # tf.keras (tf-keras), not Keras 3",
+          "`import keras` is Keras 3 even with TF_USE_LEGACY_KERAS=1", TENSORFLOW),
+    Patch("horovod/tensorflow/keras/callbacks.py", 23, "from keras import backend as K",
+          "K = keras.backend  # tf.keras (tf-keras), not Keras 3",
+          "`import keras` is Keras 3 even with TF_USE_LEGACY_KERAS=1", TENSORFLOW),
+)
+
+
+def patches_for(frameworks: tuple[str, ...]) -> tuple[Patch, ...]:
+    """The patches a build of ``frameworks`` needs."""
+    return tuple(p for p in PATCHES if p.framework is None or p.framework in frameworks)
+
+
+def apply_patches(root: Path, patches: tuple[Patch, ...]) -> None:
+    """Apply ``patches`` to the unpacked sdist at ``root``; fail, naming the line, unless each one took."""
+    for patch in patches:
+        path = root / patch.path
+        lines = path.read_text().split("\n")
+        found = lines[patch.line - 1] if patch.line <= len(lines) else "<end of file>"
+        if found.strip() != patch.old:
+            raise HorovodBuildError(
+                "Horovod patch did not apply: %s line %d reads %r, expected %r. Is this the Horovod %s sdist?"
+                % (patch.path, patch.line, found.strip(), patch.old, HOROVOD_VERSION))
+        lines[patch.line - 1] = found[: len(found) - len(found.lstrip())] + patch.new
+        path.write_text("\n".join(lines))
+
+
+def cache_root() -> Path:
+    """$AIRFLOW_PROVIDER_HOROVOD_CACHE, else $XDG_CACHE_HOME (or ~/.cache)/airflow-provider-horovod."""
+    explicit = os.environ.get("AIRFLOW_PROVIDER_HOROVOD_CACHE")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "airflow-provider-horovod"
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cache_key(frameworks: tuple[str, ...], versions: dict[str, str]) -> str:
+    """Names one build: Horovod, the Python, each framework's version, and a digest of the patch set.
+
+    A changed patch changes the key, so a wheel built with older (or no) patches is never reused.
+    """
+    patches = patches_for(frameworks)
+    edits = [(p.path, p.line, p.old, p.new) for p in patches]
+    digest = hashlib.sha256(repr(edits).encode()).hexdigest()[:10]
+    parts = ["horovod-%s" % HOROVOD_VERSION, "py%d.%d" % sys.version_info[:2]]
+    parts += ["%s-%s" % (name, versions[name]) for name in FRAMEWORKS if name in frameworks]
+    return "-".join(parts + ["patches-%s" % digest])
+
+
+TOOL_HINTS = {
+    "c++": "a C++ compiler (g++ 9 or newer): `apt-get install g++` (Debian/Ubuntu) or set $CXX",
+    "mpicc": "Open MPI's compiler wrapper `mpicc`: `apt-get install openmpi-bin libopenmpi-dev`",
+    "cmake": "CMake 3.13 or newer: `pip install cmake` in this environment",
+    "make": "make: `apt-get install make`",
+}
+
+
+def missing_prerequisites(frameworks: tuple[str, ...], which=shutil.which) -> list[str]:
+    """What a build of ``frameworks`` lacks here, each with how to get it; empty when all is present."""
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    tools = {"c++": os.environ.get("CXX") or "c++", "mpicc": "mpicc", "cmake": "cmake", "make": "make"}
+    missing = [TOOL_HINTS[name] for name, program in tools.items() if which(program, path=search) is None]
+    for framework in frameworks:
+        if installed_version(framework) is None:
+            missing.append("%s, installed in this environment first (the build links against it): `pip install %s`"
+                           % (framework, framework))
+    return missing
+
+
+def build_env(frameworks: tuple[str, ...]) -> dict[str, str]:
+    """The environment of Horovod's build: the frameworks asked for, Gloo and MPI, nothing else."""
+    env = dict(os.environ, CMAKE_POLICY_VERSION_MINIMUM="3.5", HOROVOD_WITH_GLOO="1", HOROVOD_WITH_MPI="1",
+               HOROVOD_WITHOUT_MXNET="1", MAKEFLAGS=os.environ.get("MAKEFLAGS", "-j%d" % (os.cpu_count() or 1)))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    for framework, flag in (("torch", "PYTORCH"), (TENSORFLOW, "TENSORFLOW")):
+        env["HOROVOD_WITH%s_%s" % ("" if framework in frameworks else "OUT", flag)] = "1"
+    return env
+
+
+def pip(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args]
+
+
+def run_pip(what: str, *args: str) -> None:
+    """Run pip with ``args``; fail saying ``what`` could not be done (pip has printed why)."""
+    if subprocess.run(pip(*args)).returncode != 0:
+        raise HorovodBuildError("pip could not %s (see pip's message above)" % what)
+
+
+def build_wheel(frameworks: tuple[str, ...], wheelhouse: Path, log: Path) -> Path:
+    """Fetch, patch and build the sdist; return the wheel, moved into ``wheelhouse``."""
+    missing = missing_prerequisites(frameworks)
+    if missing:
+        raise HorovodBuildError("Cannot build Horovod %s; missing:\n  - %s" % (HOROVOD_VERSION, "\n  - ".join(missing)))
+    with tempfile.TemporaryDirectory(prefix="horovod-build-") as scratch:
+        work = Path(scratch)
+        run_pip("download the Horovod %s sdist" % HOROVOD_VERSION,
+                "download", "--no-deps", "--no-binary", ":all:", "-d", str(work), "horovod==%s" % HOROVOD_VERSION)
+        with tarfile.open(work / ("horovod-%s.tar.gz" % HOROVOD_VERSION)) as sdist:
+            sdist.extractall(work, filter="data")
+        src = work / ("horovod-%s" % HOROVOD_VERSION)
+        apply_patches(src, patches_for(frameworks))
+        with log.open("w") as out:
+            built = subprocess.run(pip("wheel", "--no-build-isolation", "--no-deps", "-w", str(work / "out"), str(src)),
+                                   env=build_env(frameworks), stdout=out, stderr=subprocess.STDOUT)
+        if built.returncode != 0:
+            raise HorovodBuildError("Horovod build failed; the relevant lines of %s:\n%s" % (log, build_errors(log)))
+        wheel = next((work / "out").glob("horovod-*.whl"))
+        wheelhouse.mkdir(parents=True, exist_ok=True)
+        return Path(shutil.move(str(wheel), wheelhouse / wheel.name))
+
+
+def build_errors(log: Path, limit: int = 40) -> str:
+    """The lines of a build log that say why it failed (compiler and CMake errors), then its tail."""
+    lines = log.read_text(errors="replace").splitlines()
+    errors = [line for line in lines if re.search(r"error|fatal|undefined reference|multiple definition", line, re.I)]
+    return "\n".join(errors[:limit] + ["..."] + lines[-20:])
+
+
+def cached_wheel(wheelhouse: Path) -> Path | None:
+    """The cached wheel for this Python in ``wheelhouse``, if one was built."""
+    tag = "cp%d%d" % sys.version_info[:2]
+    return next(iter(sorted(wheelhouse.glob("horovod-%s-%s-*.whl" % (HOROVOD_VERSION, tag)))), None)
+
+
+def install_wheel(wheel: Path) -> None:
+    """Install ``wheel`` unless this environment already holds exactly it (stamped by its digest)."""
+    stamp = Path(sys.prefix) / ".horovod-wheel"
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    if stamp.exists() and stamp.read_text().strip() == digest and installed_version("horovod") == HOROVOD_VERSION:
+        return
+    # Horovod's runtime needs (its wheel goes in without dependencies, so pip keeps the frameworks as they are)
+    run_pip("install Horovod's runtime needs", "install", "cloudpickle", "psutil", "pyyaml", "packaging")
+    run_pip("install %s" % wheel, "install", "--no-deps", "--force-reinstall", str(wheel))
+    fresh = stamp.with_name(stamp.name + ".new")
+    fresh.write_text(digest + "\n")
+    fresh.replace(stamp)  # a new file: a hard-linked copy of a virtualenv keeps its original's stamp
+
+
+def check_build_ticks(report: str) -> dict[str, set[str]]:
+    """``horovodrun --check-build``'s ``report`` as {section: the names ticked in it}."""
+    ticked: dict[str, set[str]] = {}
+    section = ""
+    for line in report.splitlines():
+        if line.strip().startswith("Available "):
+            section = line.strip().removeprefix("Available ").rstrip(":")
+            ticked[section] = set()
+        elif line.strip().startswith("[X] ") and section:
+            ticked[section].add(line.strip()[4:].strip())
+    return ticked
+
+
+def check_build_lacks(report: str, frameworks: tuple[str, ...]) -> list[str]:
+    """What ``horovodrun --check-build``'s ``report`` does not tick of ``frameworks``, MPI and Gloo (controllers)."""
+    ticked = check_build_ticks(report)
+    lacks = [CHECK_BUILD_NAMES[f] for f in frameworks if CHECK_BUILD_NAMES[f] not in ticked.get("Frameworks", ())]
+    return lacks + [name for name in ("MPI", "Gloo") if name not in ticked.get("Controllers", ())]
+
+
+def verify(frameworks: tuple[str, ...]) -> str:
+    """Run ``horovodrun --check-build`` and fail unless it ticks the frameworks, MPI and Gloo."""
+    horovodrun = Path(sysconfig.get_path("scripts")) / "horovodrun"
+    checked = subprocess.run([str(horovodrun), "--check-build"], capture_output=True, text=True)
+    lacks = check_build_lacks(checked.stdout, frameworks)
+    if checked.returncode != 0 or lacks:
+        raise HorovodBuildError("The installed Horovod lacks %s:\n%s%s\nRebuild it: airflow-horovod build%s"
+                                % (", ".join(lacks) or "a working horovodrun", checked.stdout, checked.stderr[-2000:],
+                                   " --with tensorflow" if TENSORFLOW in frameworks else ""))
+    return checked.stdout
+
+
+def build(frameworks: tuple[str, ...]) -> Path:
+    """Build (or take from the cache), install and verify Horovod for ``frameworks``; return the wheel."""
+    versions = {f: installed_version(f) or "" for f in frameworks}
+    key = cache_key(frameworks, versions)
+    wheelhouse = cache_root() / "wheels" / key
+    wheel = cached_wheel(wheelhouse)
+    if wheel is None:
+        log = wheelhouse.parent / (key + ".log")
+        print("Building Horovod %s as %s (5-10 minutes); log: %s" % (HOROVOD_VERSION, key, log), flush=True)
+        wheel = build_wheel(frameworks, wheelhouse, log)
+    install_wheel(wheel)
+    print(verify(frameworks), end="")
+    print("Horovod %s installed from %s" % (HOROVOD_VERSION, wheel))
+    return wheel
+
+
+def parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(prog="airflow-horovod", description=__doc__.split("\n")[0])
+    commands = cli.add_subparsers(dest="command", required=True)
+    build_cmd = commands.add_parser("build", help="build, cache, install and verify Horovod %s" % HOROVOD_VERSION)
+    build_cmd.add_argument("--with", dest="extra", action="append", default=[], choices=[TENSORFLOW],
+                           help="also build Horovod's TensorFlow extension (TensorFlow must be installed)")
+    return cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    frameworks = ("torch", *dict.fromkeys(args.extra))
+    try:
+        build(frameworks)
+    except HorovodBuildError as error:
+        print("airflow-horovod: %s" % error, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

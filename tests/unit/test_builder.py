@@ -1,0 +1,133 @@
+"""The Horovod builder's pieces that need no build: patches, cache key, prerequisites, the check."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from airflow_provider_horovod import builder
+from airflow_provider_horovod.builder import PATCHES, HorovodBuildError
+
+VERSIONS = {"torch": "2.13.0+cpu", "tensorflow": "2.21.0"}
+
+
+def fake_sdist(root, patches=PATCHES, indent="    "):
+    """A tree where each patched line sits at its line number, among filler lines."""
+    for patch in patches:
+        path = root / patch.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = path.read_text().split("\n") if path.exists() else []
+        lines += ["// filler %d" % i for i in range(len(lines), patch.line)]
+        lines[patch.line - 1] = indent + patch.old
+        path.write_text("\n".join(lines + ["// end"]))
+    return root
+
+
+def test_every_patch_applies_at_its_line_and_keeps_the_indentation(tmp_path):
+    apply_root = fake_sdist(tmp_path)
+    builder.apply_patches(apply_root, PATCHES)
+    for patch in PATCHES:
+        lines = (tmp_path / patch.path).read_text().split("\n")
+        assert lines[patch.line - 1] == "    " + patch.new
+        assert patch.old not in lines  # also the same text on other lines stays as it was
+        assert lines[-1] == "// end"
+
+
+def test_gloo_patch_changes_only_the_process_set_device_line(tmp_path):
+    gloo = next(p for p in PATCHES if p.path.endswith("gloo_context.cc"))
+    path = tmp_path / gloo.path
+    path.parent.mkdir(parents=True)
+    lines = ["// filler"] * 300
+    lines[106] = lines[143] = lines[gloo.line - 1] = "  device_attr.iface = gloo_iface_;"
+    path.write_text("\n".join(lines))
+    builder.apply_patches(tmp_path, (gloo,))
+    patched = path.read_text().split("\n")
+    assert patched[gloo.line - 1] == "  device_attr.iface = global_context.gloo_iface_;"
+    assert patched[106] == patched[143] == "  device_attr.iface = gloo_iface_;"
+
+
+def test_a_patch_whose_line_moved_fails_naming_file_line_and_text(tmp_path):
+    patch = PATCHES[0]
+    fake_sdist(tmp_path, (dataclasses.replace(patch, line=patch.line + 1),))
+    with pytest.raises(HorovodBuildError, match=r"CMakeLists.txt line 19 reads '// filler 18', expected "
+                                                r"'set\(CMAKE_CXX_STANDARD 14\)'"):
+        builder.apply_patches(tmp_path, (patch,))
+
+
+def test_torch_build_takes_the_cmake_and_gloo_patches_not_tensorflows():
+    torch_only = builder.patches_for(("torch",))
+    assert {p.path for p in torch_only} == {"CMakeLists.txt", "horovod/torch/CMakeLists.txt",
+                                            "horovod/common/gloo/gloo_context.cc"}
+    assert builder.patches_for(("torch", "tensorflow")) == PATCHES
+
+
+def test_cache_key_names_the_versions_and_changes_with_the_patch_set(monkeypatch):
+    key = builder.cache_key(("torch", "tensorflow"), VERSIONS)
+    assert key.startswith("horovod-0.28.1-py3.11-torch-2.13.0+cpu-tensorflow-2.21.0-patches-")
+    assert builder.cache_key(("torch",), VERSIONS) != key
+    assert builder.cache_key(("torch", "tensorflow"), dict(VERSIONS, torch="2.13.1")) != key
+    assert builder.cache_key(("torch", "tensorflow"), VERSIONS) == key
+    changed = (dataclasses.replace(PATCHES[2], new="device_attr.iface = other;"),) + PATCHES[3:]
+    monkeypatch.setattr(builder, "PATCHES", PATCHES[:2] + changed)
+    assert builder.cache_key(("torch", "tensorflow"), VERSIONS) != key
+
+
+def test_cache_lies_outside_any_checkout(monkeypatch, tmp_path):
+    monkeypatch.delenv("AIRFLOW_PROVIDER_HOROVOD_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert builder.cache_root() == tmp_path / "xdg" / "airflow-provider-horovod"
+    monkeypatch.setenv("AIRFLOW_PROVIDER_HOROVOD_CACHE", str(tmp_path / "mine"))
+    assert builder.cache_root() == tmp_path / "mine"
+
+
+def test_missing_tools_and_framework_are_named_with_how_to_get_them(monkeypatch):
+    monkeypatch.setattr(builder, "installed_version", lambda name: None if name == "torch" else "1")
+    absent = {"mpicc", "cmake"}
+    missing = builder.missing_prerequisites(("torch",), which=lambda program, path: None if program in absent else program)
+    assert missing == [builder.TOOL_HINTS["mpicc"], builder.TOOL_HINTS["cmake"],
+                       "torch, installed in this environment first (the build links against it): `pip install torch`"]
+    assert "apt-get install openmpi-bin libopenmpi-dev" in missing[0]
+    assert "pip install cmake" in missing[1]
+
+
+def test_build_without_a_compiler_fails_before_downloading_anything(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("AIRFLOW_PROVIDER_HOROVOD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    monkeypatch.setattr(builder, "run_pip", lambda *args: pytest.fail("pip ran despite a missing compiler"))
+    assert builder.main(["build"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("airflow-horovod: Cannot build Horovod 0.28.1; missing:\n  - a C++ compiler")
+    assert "apt-get install g++" in err
+
+
+CHECK_BUILD = """Horovod v0.28.1:
+
+Available Frameworks:
+    [ ] TensorFlow
+    [X] PyTorch
+    [ ] MXNet
+
+Available Controllers:
+    [X] MPI
+    [ ] Gloo
+
+Available Tensor Operations:
+    [X] MPI
+    [X] Gloo
+"""
+
+
+def test_check_build_report_is_read_per_framework_and_controller():
+    assert builder.check_build_lacks(CHECK_BUILD, ("torch",)) == ["Gloo"]
+    assert builder.check_build_lacks(CHECK_BUILD, ("torch", "tensorflow")) == ["TensorFlow", "Gloo"]
+    assert builder.check_build_lacks(CHECK_BUILD.replace("[ ]", "[X]"), ("torch", "tensorflow")) == []
+
+
+def test_build_environment_asks_for_exactly_the_frameworks():
+    env = builder.build_env(("torch",))
+    assert (env["HOROVOD_WITH_PYTORCH"], env["HOROVOD_WITHOUT_TENSORFLOW"]) == ("1", "1")
+    assert "HOROVOD_WITH_TENSORFLOW" not in env
+    both = builder.build_env(("torch", "tensorflow"))
+    assert (both["HOROVOD_WITH_TENSORFLOW"], both["CMAKE_POLICY_VERSION_MINIMUM"]) == ("1", "3.5")
+

@@ -26,6 +26,7 @@ from airflow_provider_horovod import store
 from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.runner.messages import TransferError, safe_relative
 from airflow_provider_horovod.runner.executors import python_conf
+from airflow_provider_horovod.runner.options import Launcher
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -298,13 +299,12 @@ class HorovodRunnerHook(BaseHook):
 
     @staticmethod
     def check_job(training_callable: Callable[..., Any] | str, op_args: Any = (), op_kwargs: Any = None, *,
-                  launcher: str = "mpirun") -> None:
+                  launcher: str = Launcher.MPIRUN) -> None:
         """Fail before anything starts (Spark included) when this Python cannot run ``launcher``: no
         Horovod, or one built without it or without a framework (``TrainingStackError``, naming the
         install command); or when the job cannot be shipped: a reference string that does not import,
         an unpicklable closure or arguments that do not fit the signature (``PayloadError``)."""
         from airflow_provider_horovod.runner.environment import require_training_stack
-        from airflow_provider_horovod.runner.options import Launcher
         from airflow_provider_horovod.runner.payload import build_payload
 
         require_training_stack(Launcher(launcher))

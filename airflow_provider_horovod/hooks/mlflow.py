@@ -25,6 +25,7 @@ from typing import Any
 
 from airflow.sdk import BaseHook
 
+from airflow_provider_horovod.runner.events import RunStatus
 from airflow_provider_horovod.runner.messages import Report
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ class MlflowRun:
                 self._call("log " + target, self.client.log_artifacts, self.run_id, local, target)
             elif local and os.path.isfile(local):
                 self._call("log " + target, self.client.log_artifact, self.run_id, local, target)
-        state = {"success": "FINISHED", "cancelled": "KILLED"}.get(status, "FAILED")
+        state = {RunStatus.SUCCESS: "FINISHED", RunStatus.CANCELLED: "KILLED"}.get(status, "FAILED")
         self.failed = False  # ending the run is worth one more try even after a failed batch
         self._call("end the run", self.client.set_terminated, self.run_id, state, int(time.time() * 1000))
 

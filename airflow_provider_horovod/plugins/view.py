@@ -33,6 +33,7 @@ from airflow.api_fastapi.core_api.security import requires_access_dag
 
 from airflow_provider_horovod.metrics import rate
 from airflow_provider_horovod.plugins.store import BadRequest, NotFound, TaskArtifacts, Try, roots
+from airflow_provider_horovod.runner.events import RunStatus
 from airflow_provider_horovod.runner.messages import Report
 from airflow_provider_horovod.runner.wire import ProtocolError
 from airflow_provider_horovod.runner import timeline as hvd_timeline
@@ -108,7 +109,7 @@ def metrics_json(dag_id: str, run_id: str, task_id: str, map_index: str | None =
 def _progress(t: Try, *, running: bool) -> dict[str, Any]:
     """One try's reports for the charts, and its progress from the first and the newest of them."""
     rows = t.metrics(MAX_CHART_ROWS)
-    out: dict[str, Any] = {"try_number": t.number, "status": "running" if running else t.status, "rows": rows,
+    out: dict[str, Any] = {"try_number": t.number, "status": RunStatus.RUNNING if running else t.status, "rows": rows,
                            "newest": rows[-1] if rows else None, "elapsed_s": None, "steps_per_s": None, "eta_s": None}
     if not rows:
         return out
@@ -167,7 +168,7 @@ def _facts(t: Try, *, running: bool) -> dict[str, Any]:
     error = marker.get("error") if isinstance(marker.get("error"), dict) else None
     return {
         "try_number": t.number,
-        "status": "running" if running else t.status,
+        "status": RunStatus.RUNNING if running else t.status,
         "committed": t.committed,
         "np": marker.get("np"),
         "launcher": marker.get("launcher"),

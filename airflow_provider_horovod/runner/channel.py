@@ -26,19 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_horovod.runner import messages, names, network, wire
+from airflow_provider_horovod.runner import events, messages, names, network, wire
 from airflow_provider_horovod.runner.artifacts import TRANSFER_TIMEOUT_S, Limits, offer_tree, take_tree
-from airflow_provider_horovod.runner.events import (
-    Event,
-    FactsReported,
-    RankFailed,
-    TaskFinished,
-    TaskLost,
-    TaskReady,
-    TaskStarted,
-    UploadFinished,
-    UploadStarted,
-)
 from airflow_provider_horovod.runner.messages import Mode, Receipt, Received, Report, TransferError
 from airflow_provider_horovod.runner.plan import Plan
 from airflow_provider_horovod.runner.text import one_line
@@ -103,7 +92,7 @@ class Channel:
         secret: bytes,
         *,
         run_id: str = "",
-        on_event: Callable[[Event], None] = lambda event: None,
+        on_event: Callable[[events.Event], None] = lambda event: None,
         output: Callable[..., None] | None = None,
         artifact_staging: Path | None = None,
         resume_root: Path | None = None,
@@ -224,7 +213,7 @@ class Channel:
             self._output(rank, lines, callback=callback)
 
     # -- serving ---------------------------------------------------------------------------------
-    def _emit(self, event: Event) -> None:
+    def _emit(self, event: events.Event) -> None:
         if not self._closed.is_set():
             self._on_event(event)
 
@@ -246,7 +235,7 @@ class Channel:
                     partition = msg.partition
                     with self._lock:
                         self._tasks[partition] = conn
-                    self._emit(TaskStarted(partition, msg.executor))
+                    self._emit(events.TaskStarted(partition, msg.executor))
                 elif isinstance(msg, (messages.PutVersion, messages.PutArtifacts, messages.FetchResume)):
                     # a transfer connection: never sent orders (only tasks' own connections are)
                     conn.sock.settimeout(TRANSFER_TIMEOUT_S)
@@ -267,24 +256,24 @@ class Channel:
                     del self._tasks[partition]
             conn.close()
             if lost:
-                self._emit(TaskLost(partition))
+                self._emit(events.TaskLost(partition))
 
     def _handle(self, msg: messages.Message) -> None:
         if isinstance(msg, messages.Logs):
             self.lines(msg.rank, msg.lines, callback=msg.callback, quiet=msg.quiet)
         elif isinstance(msg, messages.Facts):
-            self._emit(FactsReported(msg.facts))
+            self._emit(events.FactsReported(msg.facts))
         elif isinstance(msg, messages.Ready):
-            self._emit(TaskReady(msg.partition))
+            self._emit(events.TaskReady(msg.partition))
         elif isinstance(msg, messages.Finished):
             with self._lock:
                 self._finished.add(msg.partition)
                 for rank, lines in msg.tails.items():
                     if not self._tails.get(int(rank)):
                         self._tails[int(rank)].extend(lines)
-            self._emit(TaskFinished(msg.partition, msg.failure))
+            self._emit(events.TaskFinished(msg.partition, msg.failure))
         elif isinstance(msg, messages.Error):
-            self._emit(RankFailed(msg.failure))
+            self._emit(events.RankFailed(msg.failure))
         elif isinstance(msg, messages.Event):
             self.record(msg.recorded())
         elif isinstance(msg, Report):
@@ -324,7 +313,7 @@ class Channel:
             conn.send(Mode("none").to_json())
             conn.send(Receipt(False, NO_ARTIFACTS).to_json())
             return
-        self._emit(UploadStarted())
+        self._emit(events.UploadStarted())
         began = time.monotonic()
         try:
             _mode, self.received = take_tree(conn, self._artifact_staging, allow_copy=self._same_host_copy,
@@ -334,14 +323,14 @@ class Channel:
         except (OSError, TransferError, wire.ProtocolError) as err:
             # the driver's disk (full, the folder went away), the task gone, or a transfer that broke the rules
             self.upload_error = err
-            self._emit(UploadFinished(error=str(err)))
+            self._emit(events.UploadFinished(error=str(err)))
             with contextlib.suppress(OSError):
                 conn.send(Receipt(False, str(err)).to_json())
             raise ConnectionError(str(err)) from err
         except BaseException:
-            self._emit(UploadFinished(error="the transfer was cut off"))
+            self._emit(events.UploadFinished(error="the transfer was cut off"))
             raise
-        self._emit(UploadFinished())  # everything is in staging, whether or not the receipt reaches the task
+        self._emit(events.UploadFinished())  # everything is in staging, whether or not the receipt reaches the task
         conn.send(Receipt(True, files=len(self.received)).to_json())
 
     def _receive_version(self, conn: wire.ServerConnection, msg: messages.PutVersion) -> None:

@@ -15,7 +15,7 @@ from horovod.runner.common.util.hosts import SlotInfo
 from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.plan import Plan
+from airflow_provider_horovod.runner.plan import SLOT_INFO_FIELDS, Plan
 
 
 class _Handler(RendezvousHandler):
@@ -84,15 +84,7 @@ class Rendezvous:
         self._httpd.allowed = frozenset(s.address for s in plan.slots)
         self._httpd.init(
             [
-                SlotInfo(
-                    hostname=s.hostname,
-                    rank=s.rank,
-                    local_rank=s.local_rank,
-                    cross_rank=s.cross_rank,
-                    size=s.size,
-                    local_size=s.local_size,
-                    cross_size=s.cross_size,
-                )
+                SlotInfo(**{name: getattr(s, name) for name in SLOT_INFO_FIELDS})
                 for s in plan.slots
             ]
         )

@@ -53,9 +53,14 @@ class TaskFacts:
         return cls(**raw)
 
 
+# The fields a Slot shares with Horovod's own ``SlotInfo`` (get_host_assignments' answer, and what
+# its Gloo rendezvous serves): copied between the two by name.
+SLOT_INFO_FIELDS = ("hostname", "rank", "local_rank", "cross_rank", "size", "local_size", "cross_size")
+
+
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """One rank: where it runs and what Horovod will call it."""
+    """One rank: where it runs and what Horovod will call it (its first fields: ``SLOT_INFO_FIELDS``)."""
 
     rank: int
     size: int
@@ -139,13 +144,7 @@ def make_plan(facts: list[TaskFacts]) -> Plan:
     for info, f in zip(assignments, ordered):
         slots.append(
             Slot(
-                rank=info.rank,
-                size=info.size,
-                local_rank=info.local_rank,
-                local_size=info.local_size,
-                cross_rank=info.cross_rank,
-                cross_size=info.cross_size,
-                hostname=info.hostname,
+                **{name: getattr(info, name) for name in SLOT_INFO_FIELDS},
                 partition=f.partition,
                 executor=f.executor,
                 address=f.address,

@@ -55,6 +55,7 @@ def test_airflow_lists_the_provider(tmp_path):
     assert info["operators"][0]["python-modules"] == ["airflow_provider_horovod.operators.horovod"]
     assert info["task-decorators"] == [{"name": "horovod", "class-name": "airflow_provider_horovod.decorators.horovod.horovod_task"}]
     assert sorted(info["extra-links"]) == ["airflow_provider_horovod.links.HorovodTimelineLink",
+                                           "airflow_provider_horovod.links.MlflowRunLink",
                                            "airflow_provider_horovod.links.SparkUILink"]
     assert "artifact_root" in text
     assert info["plugins"] == [{"name": "horovod", "plugin-class": "airflow_provider_horovod.plugins.horovod.HorovodPlugin"}]

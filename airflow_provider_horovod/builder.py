@@ -244,6 +244,7 @@ def build(frameworks: tuple[str, ...]) -> Path:
     wheel = cached_wheel(wheelhouse)
     if wheel is None:
         log = wheelhouse.parent / (key + ".log")
+        log.parent.mkdir(parents=True, exist_ok=True)  # a new machine has no cache yet
         print("Building Horovod %s as %s (5-10 minutes); log: %s" % (HOROVOD_VERSION, key, log), flush=True)
         wheel = build_wheel(frameworks, wheelhouse, log)
     install_wheel(wheel)

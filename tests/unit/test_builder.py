@@ -101,6 +101,23 @@ def test_build_without_a_compiler_fails_before_downloading_anything(monkeypatch,
     assert "apt-get install g++" in err
 
 
+
+def test_a_first_build_on_a_new_machine_makes_the_cache_folder_its_log_goes_in(monkeypatch, tmp_path):
+    monkeypatch.setenv("AIRFLOW_PROVIDER_HOROVOD_CACHE", str(tmp_path / "new-cache"))  # not there yet
+    monkeypatch.setattr(builder, "installed_version", lambda name: "2.13.0+cpu")
+    logs = []
+
+    def build_wheel(frameworks, wheelhouse, log):
+        log.write_text("pip wheel ...")  # what the real build does first: it failed here on a new machine
+        logs.append(log)
+        return wheelhouse / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+
+    monkeypatch.setattr(builder, "build_wheel", build_wheel)
+    monkeypatch.setattr(builder, "install_wheel", lambda wheel: None)
+    monkeypatch.setattr(builder, "verify", lambda frameworks: "")
+    builder.build(("torch",))
+    assert logs and logs[0].parent == tmp_path / "new-cache" / "wheels" and logs[0].read_text() == "pip wheel ..."
+
 CHECK_BUILD = """Horovod v0.28.1:
 
 Available Frameworks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 
 def shard_job(batch_size: int = 8, remainder: str = "wrap"):
@@ -26,6 +27,7 @@ def shard_job(batch_size: int = 8, remainder: str = "wrap"):
         "shard_ids": epoch[: shard.num_rows],
         "file": str(shard.path),
         "task_dir": os.environ["HVDRUNNER_TASK_DIR"],
+        "host": socket.gethostname(),
         "columns": shard.schema.names,
     })
 
@@ -99,3 +101,18 @@ def keras_fit_job(epochs: int = 2, batch_size: int = 16):
         "steps": int(data.cardinality().numpy()),
         "accuracy": history.history["accuracy"],
     })
+
+
+def assert_shards_are_the_dataset(ranks: list[dict], rows: int, plan: list[dict] | None = None) -> None:
+    """What every test of ``shard_job`` checks, on any cluster: the ranks' shards are disjoint, their
+    union is ``range(rows)`` and their sizes differ by at most one row; each rank read a file that
+    its own barrier task spilled (the plan's ``task_dir`` of its slot, when given) and the run removed."""
+    shards = [r["shard_ids"] for r in ranks]
+    assert sum(len(s) for s in shards) == rows and set().union(*shards) == set(range(rows))
+    sizes = sorted(r["num_rows"] for r in ranks)
+    assert sizes[-1] - sizes[0] <= 1 and sum(sizes) == rows
+    assert len({r["task_dir"] for r in ranks}) == len(ranks)
+    for r in ranks:
+        assert r["file"].startswith(r["task_dir"] + os.sep) and not os.path.exists(r["file"])
+    if plan is not None:
+        assert [r["task_dir"] for r in ranks] == [slot["task_dir"] for slot in plan]

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration import dataset_jobs
 from tests.integration.cluster import StandaloneCluster
+from tests.integration.scenarios.cluster_runs import DATASET_ROWS
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,9 +84,21 @@ def test_checkpoint_is_pulled_from_an_executor_outside_the_drivers_process_tree(
     assert got["last_run"]["artifact_transport"] == "stream"
 
 
-def test_spark_connect_session_runs_gloo_and_returns_rank_zeros_value(tmp_path):
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_dataset_shards_are_spilled_by_each_executors_task_for_the_rank_beside_it(cluster_runs, launcher):
+    got = cluster_runs["dataset-" + launcher]
+    plan = next(e for e in got["events"] if e.get("kind") == "plan")["slots"]
+    assert len({slot["executor"] for slot in plan}) == 2  # one rank per executor
+    dataset_jobs.assert_shards_are_the_dataset(got["result"], DATASET_ROWS, plan)
+    assert [r["steps"] for r in got["result"]] == [7, 7]  # ceil(51 / 8) on both ranks
+
+
+def test_spark_connect_session_runs_gloo_and_returns_rank_zeros_value_and_takes_a_connect_dataframe(tmp_path):
     out = tmp_path / "connect.json"
     _run_module("tests.integration.scenarios.connect_run", str(out))
     got = json.loads(out.read_text())
     assert got["session"].startswith("pyspark.sql.connect")
     assert got["result"]["tag"] == "connect" and got["result"]["sum"] == 3.0
+    for launcher in ("mpirun", "gloo"):  # dataset= takes a Connect DataFrame as it takes a classic one
+        assert got["dataset-" + launcher]["dataframe"].startswith("pyspark.sql.connect")
+        dataset_jobs.assert_shards_are_the_dataset(got["dataset-" + launcher]["result"], DATASET_ROWS)

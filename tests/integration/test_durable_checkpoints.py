@@ -4,6 +4,8 @@ newest (``HorovodRunner(np, artifact_dir=...)``; the Airflow side is in ``test_d
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_horovod import HorovodRunner
+from airflow_provider_horovod import ArtifactError, HorovodRunner
 from airflow_provider_horovod.runner import versions
 from tests.conftest import wait_no_run_processes
 from tests.integration import jobs
@@ -90,3 +92,65 @@ def test_versions_travel_from_the_barrier_tasks_over_the_stream(spark, tmp_path,
     assert [v["seq"] for v in runner.last_run.checkpoints][:1] == [1]
     newest, path = versions.committed(tmp_path / "a")[-1]
     assert (path / "step.txt").read_text() == "2"
+
+
+@pytest.fixture
+def small_store(tmp_path):
+    """A real 16 MiB file system (tmpfs) for the artifact dir, so that it can really fill up."""
+    where = tmp_path / "store"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root): %s" % mounted.stderr.decode().strip())
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def fill(folder: Path) -> None:
+    """Write zeros into ``folder`` until its file system has no space left."""
+    with open(folder / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(bytes(1 << 20))
+                f.flush()
+        except OSError as err:
+            assert err.errno == errno.ENOSPC, err
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_a_store_that_fills_up_mid_run_keeps_the_version_before_newest_and_names_the_path_and_cause(
+        spark, small_store, launcher):
+    dest = small_store / "a"
+    runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=dest)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = runner.run(jobs.durable_job, steps=8, pause=1.0)
+        except Exception as err:  # noqa: BLE001 - what the user sees is the point
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while thread.is_alive() and time.monotonic() < deadline and len(versions.committed(dest)) < 2:
+        time.sleep(0.05)
+    before = versions.committed(dest)
+    assert len(before) >= 2, outcome
+    fill(small_store)  # the disk is full from here on: every later version and the final hand-over fail
+    thread.join(180)
+    assert not thread.is_alive()
+    err = outcome.get("error")
+    assert isinstance(err, ArtifactError), outcome
+    assert str(dest) in str(err) and "No space left on device" in str(err)
+    after = versions.committed(dest)
+    assert after[-1][0].seq >= before[-1][0].seq  # the versions before the disk filled are still offered ...
+    newest, path = after[-1]
+    assert newest.step is None and dict(newest.files) == {"step.txt": 1, "weights.bin": 4096}  # ... each one whole
+    assert (path / "weights.bin").stat().st_size == 4096
+    assert int((path / "step.txt").read_text()) < 7  # the steps after the disk filled were never committed
+    assert {v["seq"] for v in runner.last_run.checkpoints} >= {v.seq for v, _ in after}  # listed by the run
+    marker = dest / "_RUN.json"
+    assert not marker.exists() or json.loads(marker.read_text())["complete"] is False  # never a complete run

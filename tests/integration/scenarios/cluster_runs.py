@@ -9,13 +9,15 @@ import json
 import os
 import sys
 
+DATASET_ROWS = 101  # odd: the two shards differ by one row
+
 
 def main() -> None:
     master, conf, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     from pyspark.sql import SparkSession
 
     from airflow_provider_horovod import HorovodRunner
-    from tests.integration import jobs
+    from tests.integration import dataset_jobs, jobs
 
     builder = SparkSession.builder.master(master).appName("hvdrunner-cluster-tests")
     for key, value in conf.items():
@@ -27,6 +29,10 @@ def main() -> None:
             runner = HorovodRunner(2, launcher=launcher, spark=spark)
             result = runner.run(jobs.allreduce_job, tag=launcher)
             results[launcher] = {"result": result, "events": runner.last_run["events"]}
+        for launcher in ("mpirun", "gloo"):  # dataset=: each executor's task spills the shard its rank reads
+            runner = HorovodRunner(2, launcher=launcher, spark=spark, dataset=spark.range(DATASET_ROWS, numPartitions=3))
+            result = runner.run(dataset_jobs.shard_job, batch_size=8)
+            results["dataset-" + launcher] = {"result": result, "events": runner.last_run["events"]}
         artifact_dir = os.path.join(os.path.dirname(out), "artifacts")
         # The executors stand for two hosts: rank 0's files come over the channel, as from another
         # machine, instead of being copied from a folder the driver happens to share here.

@@ -1,4 +1,5 @@
-"""Runs an np=2 Gloo job through a real Spark Connect session (a local Connect server).
+"""Runs an np=2 Gloo job, and a dataset= job under each launcher, through a real Spark Connect
+session (a local Connect server).
 
 usage: python -m tests.integration.scenarios.connect_run OUT_JSON
 """
@@ -13,7 +14,8 @@ def main() -> None:
     from pyspark.sql import SparkSession
 
     from airflow_provider_horovod import HorovodRunner
-    from tests.integration import jobs
+    from tests.integration import dataset_jobs, jobs
+    from tests.integration.scenarios.cluster_runs import DATASET_ROWS
 
     spark = SparkSession.builder.remote("local[2]").getOrCreate()
     try:
@@ -21,6 +23,11 @@ def main() -> None:
         runner = HorovodRunner(2, launcher="gloo", spark=spark)
         result = runner.run(jobs.allreduce_job, tag="connect")
         out = {"result": result, "session": type(spark).__module__}
+        for launcher in ("mpirun", "gloo"):
+            dataset = spark.range(DATASET_ROWS, numPartitions=3)  # a Connect DataFrame
+            runner = HorovodRunner(2, launcher=launcher, spark=spark, dataset=dataset)
+            out["dataset-" + launcher] = {"result": runner.run(dataset_jobs.shard_job, batch_size=8),
+                                          "dataframe": type(dataset).__module__}
     finally:
         spark.stop()
     with open(sys.argv[1], "w") as f:

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration import dataset_jobs
 from tests.integration.netbed import BedCluster, NetBed
+from tests.integration.scenarios.bed_runs import DATASET_ROWS
 
 pytestmark = pytest.mark.slow
 SCENARIO_TIMEOUT_S = 540
@@ -107,6 +109,17 @@ def test_two_hosts_with_two_slots_each_give_local_and_cross_ranks_as_horovod(net
     assert layout == [(0, 0, 2, 0, 2), (1, 1, 2, 0, 2), (2, 0, 2, 1, 2), (3, 1, 2, 1, 2)]
     addresses = hosts_of(got["plan"])
     assert addresses[0] == addresses[1] != addresses[2] == addresses[3]  # ranks contiguous per host
+    assert got["leftovers"] == {}
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_dataset_shards_lie_on_the_host_of_the_rank_that_reads_them(netbed, bed_runs, launcher):
+    got = run_of(bed_runs, "dataset-%s" % launcher)
+    assert "error_type" not in got, got.get("message")
+    ranks = got["result"]
+    assert set(hosts_of(got["plan"])) == {h.address for h in netbed.workers}  # one rank on each worker host
+    assert len({r["host"] for r in ranks}) == 2  # read where it was spilled: each host's own /tmp
+    dataset_jobs.assert_shards_are_the_dataset(ranks, DATASET_ROWS, got["plan"])
     assert got["leftovers"] == {}
 
 

@@ -115,6 +115,14 @@ class Scenarios:
 
         return self.run(self.runner(np, launcher), jobs.allreduce_job, tag="%s-%d" % (launcher, np))
 
+    def dataset(self, launcher: str) -> dict[str, Any]:
+        """dataset= across hosts: each worker host's barrier task spills its rank's shard into its own
+        private /tmp; the rows never pass through the driver."""
+        from tests.integration import dataset_jobs
+
+        dataset = self.spark.range(DATASET_ROWS, numPartitions=3)
+        return self.run(self.runner(2, launcher, dataset=dataset), dataset_jobs.shard_job, batch_size=8)
+
     def artifacts(self) -> dict[str, Any]:
         """np=4 (2 hosts x 2): resume_from reaches every rank on both hosts; rank 0's checkpoints and
         timeline come back by stream (the driver cannot see a worker's /tmp)."""
@@ -227,7 +235,8 @@ def wait_for_executors(spark, n: int, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-RUNS = ("mpirun-2", "gloo-2", "mpirun-4", "gloo-4", "artifacts", "cancel-training", "cancel-transfer",
+DATASET_ROWS = 101  # odd: the two shards differ by one row
+RUNS = ("mpirun-2", "gloo-2", "mpirun-4", "gloo-4", "dataset-mpirun", "dataset-gloo", "artifacts", "cancel-training", "cancel-transfer",
         "rank-killed-mpirun", "rank-killed-gloo", "channel-blocked", "host-lost")
 
 
@@ -251,6 +260,7 @@ def main() -> None:
     calls: dict[str, Callable[[], dict[str, Any]]] = {
         "mpirun-2": lambda: s.layout("mpirun", 2), "gloo-2": lambda: s.layout("gloo", 2),
         "mpirun-4": lambda: s.layout("mpirun", 4), "gloo-4": lambda: s.layout("gloo", 4),
+        "dataset-mpirun": lambda: s.dataset("mpirun"), "dataset-gloo": lambda: s.dataset("gloo"),
         "artifacts": s.artifacts, "cancel-training": lambda: s.cancel_training("gloo"),
         "cancel-transfer": s.cancel_transfer, "rank-killed-mpirun": lambda: s.rank_killed("mpirun"),
         "rank-killed-gloo": lambda: s.rank_killed("gloo"), "channel-blocked": s.channel_blocked,

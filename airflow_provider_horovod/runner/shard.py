@@ -14,6 +14,7 @@ out of data. Shards differ by at most one row; ``remainder`` says what evens the
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -68,10 +69,15 @@ class Shard:
         ``shuffle=True`` permutes this shard's rows with ``seed`` (pass the epoch for a new order)."""
         table = self._table.select(list(columns)) if columns is not None else self._table
         order = _permutation(self.num_rows, seed) if shuffle else None
+        pieces = _Pieces(table)
         rows = self.rows_per_epoch
         for step in range(self.steps(batch_size, drop_last)):
             start = step * batch_size
-            yield _rows(table, order, start, min(start + batch_size, rows))
+            stop = min(start + batch_size, rows)
+            if order is None and stop <= self.num_rows:
+                yield pieces.rows(start, stop)
+            else:
+                yield _gathered(table, order, start, stop)
 
     def to_torch(self, batch_size: int, columns: Sequence[str] | None = None, shuffle: bool = False, seed: int = 0,
                  drop_last: bool = False) -> Iterator[dict[str, Any]]:
@@ -126,18 +132,44 @@ def _permutation(n: int, seed: int) -> Any:
     return numpy.random.default_rng(seed).permutation(n)
 
 
-def _rows(table: Any, order: Any, start: int, stop: int) -> Any:
-    """Rows ``start..stop`` of an epoch as one RecordBatch: a slice of the map when in order and
-    inside the shard, else gathered (a permutation, or the rows a wrap-around reads again)."""
+class _Pieces:
+    """The shard's record batches as the file holds them (slices of the map, as Spark's Arrow
+    batches arrived): rows ``start..stop`` in order are a zero-copy slice of one of them, or the
+    concatenation of the slices of the few they span."""
+
+    def __init__(self, table: Any) -> None:
+        import numpy
+
+        self.batches = table.to_batches()
+        self.starts = numpy.cumsum([0] + [b.num_rows for b in self.batches]).tolist()
+
+    def rows(self, start: int, stop: int) -> Any:
+        i = bisect.bisect_right(self.starts, start) - 1
+        first = self.batches[i]
+        if stop <= self.starts[i + 1]:
+            return first.slice(start - self.starts[i], stop - start)
+        parts = [first.slice(start - self.starts[i])]
+        while stop > self.starts[i + 1]:
+            i += 1
+            parts.append(self.batches[i].slice(0, min(stop, self.starts[i + 1]) - self.starts[i]))
+        return _concat(parts)
+
+
+def _concat(parts: list[Any]) -> Any:
+    import pyarrow as pa
+
+    if hasattr(pa, "concat_batches"):  # pyarrow >= 19
+        return pa.concat_batches(parts)
+    return pa.Table.from_batches(parts).combine_chunks().to_batches()[0]
+
+
+def _gathered(table: Any, order: Any, start: int, stop: int) -> Any:
+    """Rows ``start..stop`` of an epoch gathered into one RecordBatch: through a permutation, or
+    the rows a wrap-around reads again."""
     import numpy
 
-    n = table.num_rows
-    if order is None and stop <= n:
-        part = table.slice(start, stop - start)
-    else:
-        index = numpy.arange(start, stop) % n
-        part = table.take(index if order is None else order[index])
-    return part.combine_chunks().to_batches()[0]
+    index = numpy.arange(start, stop) % table.num_rows
+    return table.take(index if order is None else order[index]).combine_chunks().to_batches()[0]
 
 
 def _numpy(column: Any) -> Any:

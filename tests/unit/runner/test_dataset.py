@@ -89,6 +89,16 @@ def test_batches_in_order_are_slices_of_the_memory_mapped_file(tmp_path):
     assert batches[0].schema.names == ["id"]
 
 
+
+@pytest.mark.parametrize("batch_size", [3, 6, 10])  # inside one, across two and across three record batches of 4
+def test_batches_across_the_files_record_batches_hold_the_rows_in_order(tmp_path, batch_size):
+    shard = shard_of(tmp_path, list(range(0, 80, 2)), total=80, shards=2, partition=0)
+    batches = list(shard.iter_batches(batch_size))
+    assert [i for b in batches for i in b.column("id").to_pylist()] == list(range(0, 80, 2))
+    assert all(b.num_rows == batch_size for b in batches[:-1])
+    x = [row for b in batches for row in b.column("x").to_pylist()]
+    assert x == [[float(i), float(i) * 2] for i in range(0, 80, 2)] and batches[-1].schema == shard.schema
+
 def test_to_torch_gives_dicts_of_tensors_with_array_columns_as_matrices(tmp_path):
     import torch
 

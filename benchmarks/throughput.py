@@ -22,6 +22,9 @@ oversubscribe 2 cores. The contenders are
 They alternate for ``--rounds`` rounds (after one untimed warm-up run each); the script prints the
 median per-rank images/s of each and the ratio runner/horovodrun against the target (>= 0.98).
 
+``--report`` makes the runner's ranks call ``runtime.report(step, total_steps, loss=...)`` at every step
+against bare horovodrun (which has no such call): the whole rank side, as users run it.
+
 ``--mode report`` compares the runner with itself instead: ``runtime.report(step, total_steps,
 loss=...)`` called on every rank at every step against the same run without it (target >= 0.99).
 """
@@ -144,6 +147,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--launcher", choices=("mpirun", "gloo"), default="mpirun", help="HorovodRunner's launcher")
     parser.add_argument("--mode", choices=("horovodrun", "report"), default="horovodrun",
                         help="compare with bare horovodrun (default), or runtime.report every step with none")
+    parser.add_argument("--report", action="store_true",
+                        help="with --mode horovodrun: the runner's ranks call runtime.report every step (issue #22: "
+                             "everything the rank side adds, against bare horovodrun)")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be >= 1")
@@ -234,9 +240,9 @@ def main() -> int:
             names = {"runner": "HorovodRunner(2) %s" % args.launcher,
                      "reporting": "  + runtime.report each step"}
         else:
-            contenders = {"horovodrun": horovodrun, "runner": runner}
+            contenders = {"horovodrun": horovodrun, "runner": lambda: runner(report=args.report)}
             names = {"horovodrun": "horovodrun -np 2 --%s" % ("mpi" if args.launcher == "mpirun" else "gloo"),
-                     "runner": "HorovodRunner(2) %s" % args.launcher}
+                     "runner": "HorovodRunner(2) %s%s" % (args.launcher, " + report" if args.report else "")}
         rates: dict[str, list[list[float]]] = {n: [] for n in contenders}
 
         warm_up(contenders, names)

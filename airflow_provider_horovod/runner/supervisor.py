@@ -10,7 +10,9 @@ The life of a coordinated run (tasks reach the driver's channel)::
     preparing  tasks fetch resume_from / start the rendezvous; when all are ready: start
     running    ranks train; each task reports when its ranks ended (rank 0's artifacts first)
     stopping   after a failure, a cancel or a slow start: tasks were told to stop their ranks
-    ended      every task finished and was released, or the job ended, or it was cut off
+    ended      every task finished and was released, or the job ended, or it was cut off (a job
+               that failed with nothing to say why ends once the channel names the task it lost,
+               or after ``lost_task_grace_s``: Spark and the channel see a lost machine in either order)
 
 A run without the channel (``coordinated=False``: Spark's ``allGather`` fallback, or ``np < 0``)
 skips the first two phases and ends when its job ends.
@@ -71,6 +73,7 @@ class Deadlines:
     cancel_artifact_grace_s: float = 3.0  # the same after a cancel
     cut_off_join_s: float = 30.0  # after cutting the job off, how long to wait for Spark to return
     cancel_bound_s: float = 10.0  # a cancelled run leaves no process after this long (a promise)
+    lost_task_grace_s: float = 3.0  # Spark failed the job first: how long the channel may still name the task lost
 
     def __post_init__(self) -> None:
         if self.start_s <= 0:
@@ -141,6 +144,7 @@ class Supervisor:
         self.job_ended: JobEnded | None = None
         self._stop_at: float | None = None
         self._cut_at: float | None = None
+        self._job_failed_at: float | None = None  # Spark failed the job before the channel said why
         self.marks: dict[str, float] = {}
 
     # -- the verdict -----------------------------------------------------------------------------
@@ -161,6 +165,8 @@ class Supervisor:
 
     # -- events ----------------------------------------------------------------------------------
     def handle(self, event: Event, now: float) -> list[Action]:
+        if self._job_failed_at is not None:
+            return self._after_job_failed(event)
         if isinstance(event, TaskStarted):
             self.started.add(event.partition)
             return []
@@ -194,11 +200,31 @@ class Supervisor:
                 self.failures.insert(0, event.failure)
             self.job_ended = event
             self._mark("job-ended", now)
+            if self._unexplained(event):
+                self._job_failed_at = now  # a lost machine reaches Spark and the channel in either order
+                return []
             self.phase = Phase.ENDED
             return []
         if isinstance(event, CancelRequested):
             return self._stop("cancel", now)
         raise TypeError("not an event: %r" % (event,))
+
+    def _unexplained(self, event: JobEnded) -> bool:
+        """The job failed while tasks ran and nothing says why yet (no task's failure, no stop):
+        Spark saw a task's executor or machine go before the channel saw the task's connection drop."""
+        return event.error is not None and self.coordinated and self.reason is None and \
+            not any(not f.secondary for f in self.failures) and bool(self.started - set(self.finished))
+
+    def _after_job_failed(self, event: Event) -> list[Action]:
+        """Within ``lost_task_grace_s`` of an unexplained job failure: the task lost or the rank
+        failure that explains it ends the run (the job is over, so nothing is sent to the tasks)."""
+        if isinstance(event, TaskLost) and event.partition not in self.finished:
+            self.failures.append(self._lost(event.partition))
+        elif isinstance(event, (RankFailed, TaskFinished)) and event.failure is not None:
+            self.failures.append(event.failure)
+        if any(not f.secondary for f in self.failures):
+            self.phase = Phase.ENDED
+        return []
 
     def _on_facts(self, facts: TaskFacts, now: float) -> list[Action]:
         if self.phase != Phase.STARTING:
@@ -255,6 +281,10 @@ class Supervisor:
     # -- time ------------------------------------------------------------------------------------
     def tick(self, now: float) -> list[Action]:
         """What the passing of time decides: a slow start, a stop that took too long."""
+        if self._job_failed_at is not None:
+            if now - self._job_failed_at >= self.deadlines.lost_task_grace_s:
+                self.phase = Phase.ENDED  # no task said why: the job's own error is all there is
+            return []
         if self.phase in (Phase.STARTING, Phase.PREPARING) and now - self._began > self.deadlines.start_s \
                 and len(self._facts) < self.np:
             return self._stop("timeout", now)
@@ -283,6 +313,8 @@ class Supervisor:
             candidates.append(self._began + self.deadlines.start_s - now)
         if self.phase == Phase.STOPPING and self._cut_at is None:
             candidates.append(self._cut_off_time() - now)
+        if self._job_failed_at is not None:
+            candidates.append(self._job_failed_at + self.deadlines.lost_task_grace_s - now)
         return max(0.01, min(candidates))
 
     def _mark(self, name: str, now: float) -> None:

@@ -252,6 +252,31 @@ def durable_job(steps: int = 4, pause: float = 0.5, explicit: bool = False, mark
     return {"start": start}
 
 
+def host_versions_job(steps: int = 100000, pause: float = 0.5, weights_kb: int = 256):
+    """Rank 0 commits one version a step with ``runtime.commit_checkpoint`` (``step.txt``, and
+    ``weights.bin``: ``weights_kb`` KiB of the step's byte), its host's name in the version's
+    metrics, then trains on for ``pause`` s; resumes after the step in ``resume_dir()``."""
+    import socket
+
+    import horovod.torch as hvd
+    import torch
+
+    from airflow_provider_horovod import runtime
+
+    hvd.init()
+    resume = runtime.resume_dir()
+    start = int((resume / "step.txt").read_text()) + 1 if resume is not None else 0
+    ckpt = runtime.checkpoint_dir()
+    for step in range(start, steps):
+        hvd.allreduce(torch.ones(1))
+        if hvd.rank() == 0:
+            (ckpt / "weights.bin").write_bytes(bytes([step % 256]) * (weights_kb << 10))
+            (ckpt / "step.txt").write_text(str(step))
+            runtime.commit_checkpoint(step=step, host=socket.gethostname())
+        time.sleep(pause)
+    return {"start": start, "host": socket.gethostname()}
+
+
 def unpicklable_result_job():
     """Saves a checkpoint on rank 0, then returns what cannot be pickled (a lock)."""
     import threading

@@ -4,7 +4,8 @@ standalone master on the driver host and one worker per worker host, each bound 
 
 One bed (torn down after this module) and one SparkSession serve every test here: the driver's
 side of all scenarios runs once, in order, inside the driver's namespace (``scenarios/bed_runs.py``),
-and each test reads what one run showed. The last run loses a whole host.
+and each test reads what one run showed. Two runs lose rank 0's host and bring it back; the last one
+loses a whole host for good.
 """
 
 from __future__ import annotations
@@ -170,6 +171,40 @@ def test_executors_that_cannot_reach_the_drivers_channel_get_an_error_naming_it(
     assert "spark.driver.host" in got["message"]
     assert got["wall_s"] <= 40  # within start_timeout
     assert got["leftovers"] == {}
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
+def test_rank0s_host_lost_keeps_every_committed_version_and_the_retry_resumes_from_the_newest(netbed, bed_runs,
+                                                                                            launcher):
+    got = run_of(bed_runs, "rank0-lost-%s" % launcher)
+    killed = got["killed"]
+    assert killed and killed["processes"] > 0, got.get("message")
+    assert got["plan"][0]["address"] == killed["host"]  # the host lost was rank 0's ...
+    assert killed["ran_mpirun"] is (launcher == "mpirun")  # ... and, under mpirun, mpirun's too
+    assert got["error_type"] == "HorovodRunError", got.get("message")
+    assert killed["host"] in got["message"]
+    assert got["kill_to_error_s"] <= 60
+    assert got["leftovers"] == {}
+    # The failed try's folder holds every version committed before the loss, each whole, none half-offered.
+    offered = {v["seq"]: v for v in got["offered"]}
+    before = killed["versions"]
+    assert len([v for v in before if v["step"] is not None]) >= 3
+    assert [{k: offered.get(v["seq"], {}).get(k) for k in v} for v in before] == before, got["offered"]
+    assert sorted(offered) == list(range(1, len(offered) + 1)) == got["listed"]
+    assert all(v["whole"] for v in offered.values())
+    assert [e for e in got["entries"] if not e.startswith(".")] == [v["name"] for v in got["offered"]]
+    newest = got["offered"][-1]
+    assert newest["readable"] is True and newest["step"] >= before[-1]["step"]
+    assert got["report"]["status"] == "failed" and got["report"]["artifacts"]["complete"] is False
+    assert got["report"]["checkpoint_path"].endswith("/versions/%s" % newest["name"])
+    # The retry's resume search finds the newest version of the failed try, and training goes on after its step.
+    resume = got["resume"]
+    assert (resume["try_number"], resume["seq"], resume["step"]) == (1, newest["seq"], newest["step"])
+    retry = got["retry"]
+    assert "error_type" not in retry, retry.get("message")
+    assert retry["result"]["start"] == newest["step"] + 1
+    assert retry["final_step"] == newest["step"] + 2  # it trained on: steps newest + 1 and newest + 2
+    assert retry["leftovers"] == {}
 
 
 def test_a_lost_host_ends_the_run_naming_it_and_the_remaining_capacity_still_trains(netbed, bed_runs):

@@ -3,7 +3,8 @@ one SparkSession on the bed's standalone cluster, and writes what each run showe
 
 usage: python -m tests.integration.scenarios.bed_runs BED_JSON MASTER CONF_JSON OUT_JSON [RUN...]
 
-The runs go in order (the last one loses a whole host). Each records its result or error, the
+The runs go in order (the rank0-lost runs lose rank 0's host and bring it back; the last one loses
+a whole host for good). Each records its result or error, the
 plan, its wall time and which runner processes (rank, orted, mpirun, reaper) were still alive on
 each host afterwards.
 """
@@ -86,6 +87,7 @@ class Scenarios:
         out["wall_s"] = round(out["ended_at"] - started, 2)
         report = runner.last_run
         out["plan"] = next((e["slots"] for e in report.events if e.get("kind") == "plan"), None)
+        out["phases"] = dict(report.phases)  # when the supervisor stopped the run, when the job ended
         out["orted_launched"] = sorted({e["executor"] for e in report.events if e.get("kind") == "orted-launched"})
         out["report"] = {k: report[k] for k in ("status", "artifact_transport", "artifact_bytes", "checkpoint_path",
                                                 "timeline_path", "artifacts")}
@@ -198,6 +200,81 @@ class Scenarios:
         out["blocked_host"] = blocked.address
         return out
 
+    def rank0_host_lost(self, launcher: str) -> dict[str, Any]:
+        """Rank 0's host dies mid-training (every process on it killed at once) once it committed at
+        least three checkpoint versions with ``commit_checkpoint``, one a step; the host comes back (its
+        Spark worker started again) and the retry resumes from what the store's resume search finds
+        in the failed try."""
+        from airflow_provider_horovod import store
+        from airflow_provider_horovod.runner import versions
+        from tests.integration import jobs
+
+        task = self.work / ("rank0-lost-%s" % launcher)  # the task folder: try-1 fails, try-2 resumes
+        first = task / "try-1"
+        runner = self.runner(2, launcher, artifact_dir=first, keep_checkpoints=1000)
+        killed: dict[str, Any] = {}
+        executors_before = self.executors()
+
+        def kill_rank0_host() -> None:
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                seen = versions.committed(first)
+                if sum(v.step is not None for v, _ in seen) >= 3:  # three of commit_checkpoint's, rank 0's host in each
+                    victim = next(h for h in self.bed.workers if h.hostname == seen[-1][0].metrics["host"])
+                    ran_mpirun = self.runs_mpirun(victim)
+                    seen = versions.committed(first)  # the last look before the loss
+                    killed.update(host=victim.address, name=victim.name, ran_mpirun=ran_mpirun, at=time.monotonic(),
+                                  processes=self.bed.kill_host(victim), versions=[v.to_json() for v, _ in seen])
+                    return
+                time.sleep(0.05)
+            runner.cancel()  # never three versions: the run ends here, and the test says the host was not lost
+
+        threading.Thread(target=kill_rank0_host, daemon=True).start()
+        try:
+            out = self.run(runner, jobs.host_versions_job, steps=400, pause=0.5)
+        finally:
+            victim = next((h for h in self.bed.workers if h.address == killed.get("host")), None)
+            if victim is not None:
+                self.bring_back(victim, executors_before)
+        out["killed"] = killed
+        out["kill_to_error_s"] = round(out["ended_at"] - killed["at"], 2) if killed else None
+        out["listed"] = [v["seq"] for v in runner.last_run.checkpoints]
+        out["entries"] = sorted(p.name for p in (first / versions.VERSIONS_DIR).iterdir())
+        out["offered"] = offered_versions(first)
+        found = store.latest_checkpoint(store.storage_path(task / "try-2"), 2)  # what a retry's resume search finds
+        if found is None:
+            return out
+        out["resume"] = {"path": found.path.path, "try_number": found.try_number, "seq": found.seq, "step": found.step,
+                         "describe": found.describe()}
+        retry = self.runner(2, launcher, artifact_dir=task / "try-2", resume_from=found.path.path)
+        out["retry"] = self.run(retry, jobs.host_versions_job, steps=(found.step or 0) + 3, pause=0.0)
+        final = out["retry"]["report"]["checkpoint_path"]
+        out["retry"]["final_step"] = int((Path(final) / "step.txt").read_text()) if final else None
+        return out
+
+    def executors(self) -> set[str]:
+        """``host:port`` of each executor the driver knows now (not the driver itself)."""
+        infos = self.spark.sparkContext._jsc.sc().statusTracker().getExecutorInfos()
+        return {"%s:%d" % (e.host(), e.port()) for e in infos if e.host() != self.bed.driver.address}
+
+    def bring_back(self, host, executors_before: set[str], timeout: float = 120) -> None:
+        """The lost host is replaced: its Spark worker starts again, and the runs after this one find
+        an executor on each worker host, none of them one the driver knew before the loss."""
+        from tests.integration.netbed import BedCluster
+
+        logs = self.work / ("restarted-%s" % host.name)
+        logs.mkdir(exist_ok=True)
+        BedCluster(self.bed, logs).start_worker(host)
+        deadline = time.monotonic() + timeout
+        lost = {e for e in executors_before if e.rsplit(":", 1)[0] == host.address}
+        while True:
+            now = self.executors()
+            if len(now) == len(self.bed.workers) and not now & lost:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("host %s came back, but its executor did not register: %s" % (host.name, now))
+            time.sleep(0.2)
+
     def host_lost(self) -> dict[str, Any]:
         """A whole worker host dies mid-training (every process on it killed at once); then the
         next run goes on the capacity that is left."""
@@ -223,6 +300,24 @@ class Scenarios:
         return out
 
 
+def offered_versions(folder: Path) -> list[dict[str, Any]]:
+    """The committed versions of a try folder as a reader finds them: each marker, whether every file
+    it lists is there at its size, and, for a version with a step, whether its files hold that step."""
+    from airflow_provider_horovod.runner import versions
+
+    found = []
+    for version, path in versions.committed(folder):
+        files = dict(version.files)
+        whole = all((path / rel).is_file() and (path / rel).stat().st_size == size for rel, size in files.items())
+        readable = None
+        if version.step is not None and whole:
+            weights = (path / "weights.bin").read_bytes()
+            readable = (path / "step.txt").read_text() == str(version.step) and weights == bytes(
+                [version.step % 256]) * len(weights)
+        found.append({**version.to_json(), "name": path.name, "whole": whole, "readable": readable})
+    return found
+
+
 def wait_for_executors(spark, n: int, timeout: float = 120) -> None:
     """Until ``n`` executors (one per worker host) have registered. The runner waits only for ``np``
     barrier slots, which the first executor alone has (2 cores): a first run started before the
@@ -236,8 +331,9 @@ def wait_for_executors(spark, n: int, timeout: float = 120) -> None:
 
 
 DATASET_ROWS = 101  # odd: the two shards differ by one row
-RUNS = ("mpirun-2", "gloo-2", "mpirun-4", "gloo-4", "dataset-mpirun", "dataset-gloo", "artifacts", "cancel-training", "cancel-transfer",
-        "rank-killed-mpirun", "rank-killed-gloo", "channel-blocked", "host-lost")
+RUNS = ("mpirun-2", "gloo-2", "mpirun-4", "gloo-4", "dataset-mpirun", "dataset-gloo", "artifacts", "cancel-training",
+        "cancel-transfer", "rank-killed-mpirun", "rank-killed-gloo", "channel-blocked", "rank0-lost-mpirun",
+        "rank0-lost-gloo", "host-lost")
 
 
 def main() -> None:
@@ -264,6 +360,7 @@ def main() -> None:
         "artifacts": s.artifacts, "cancel-training": lambda: s.cancel_training("gloo"),
         "cancel-transfer": s.cancel_transfer, "rank-killed-mpirun": lambda: s.rank_killed("mpirun"),
         "rank-killed-gloo": lambda: s.rank_killed("gloo"), "channel-blocked": s.channel_blocked,
+        "rank0-lost-mpirun": lambda: s.rank0_host_lost("mpirun"), "rank0-lost-gloo": lambda: s.rank0_host_lost("gloo"),
         "host-lost": s.host_lost,
     }
     results: dict[str, Any] = {"driver_pid": os.getpid()}

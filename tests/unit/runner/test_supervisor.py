@@ -217,6 +217,33 @@ def test_a_tasks_own_report_in_the_stage_error_comes_before_the_tasks_spark_abor
     assert sup.done and sup.cause is unreachable
 
 
+
+def test_a_machine_lost_that_spark_reports_first_is_still_named_by_the_task_the_channel_lost():
+    sup = launched()
+    assert sup.handle(JobEnded(error=RuntimeError("ExecutorLostFailure: Remote RPC client disassociated")), 5.0) == []
+    assert not sup.done and sup.next_wakeup(5.0) <= D.lost_task_grace_s
+    sup.handle(RankFailed(dataclasses.replace(boom(1), exception="HorovodInternalError: a peer went away")), 5.1)
+    assert not sup.done  # rank 1's collective broke because of the loss: that does not explain it
+    sup.handle(TaskLost(0), 5.2)
+    slot = sup.plan.for_partition(0)
+    assert sup.done and "partition 0 on host %s (executor %s) died" % (slot.hostname, slot.executor) in \
+        sup.cause.message
+
+
+def test_a_job_failure_nothing_explains_ends_the_run_after_the_lost_task_grace():
+    sup = launched()
+    sup.handle(JobEnded(error=RuntimeError("stage failed")), 5.0)
+    assert sup.tick(5.0 + D.lost_task_grace_s - 0.1) == [] and not sup.done
+    sup.tick(5.0 + D.lost_task_grace_s)
+    assert sup.done and sup.cause is None and sup.reason is None
+
+
+def test_a_job_failure_after_a_rank_failed_ends_the_run_at_once():
+    sup = launched()
+    sup.handle(RankFailed(boom(1)), 5.0)
+    sup.handle(JobEnded(error=RuntimeError("stage failed")), 5.1)
+    assert sup.done and "Rank 1 failed" in sup.cause.message
+
 DRIVER_STACK = {"provider": "0.1.0", "horovod": "horovod 0.28.1 (pytorch 2.13.0+cpu; MPI, Gloo)"}
 
 

@@ -182,6 +182,8 @@ def driver_side(bed_json: str, master: str, conf: dict, args) -> dict:
             for i in range(args.rounds):
                 order = ("pull", "stream", "tcp")[i % 3:] + ("pull", "stream", "tcp")[:i % 3]
                 for contender in order:
+                    os.sync()
+                    time.sleep(args.settle)  # memory freed by the contender before goes back to the host (see --settle)
                     if contender == "tcp":
                         runs["tcp"].append(tcp_transfer(bed, worker, source, work / "tcp.bin"))
                         continue
@@ -220,6 +222,10 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of the worker host's link")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds of quiet after a sync before each contender: on VMs that hand freed memory back "
+                             "to the host, every contender then writes into fresh memory, as a pull does after its "
+                             "job started (docs/benchmarks.md)")
     parser.add_argument("--durable", action="store_true",
                         help="let rank 0's rename ship the checkpoint as a version during the run too (the default "
                              "commits an empty version first, so only the final hand-over carries it)")
@@ -246,8 +252,9 @@ def main() -> None:
         bed.up()
         cluster = BedCluster(bed, logs, cores=2).start()
         env = dict(os.environ, PYTHONPATH=str(ROOT), SPARK_LOCAL_IP=bed.driver.address)
-        proc = bed.popen(bed.driver, [sys.executable, __file__, "--mib", str(args.mib), "--rounds", str(args.rounds),
-                                      "--rate", args.rate, *(["--durable"] if args.durable else []), "--driver-side", bed.to_json(), cluster.master,
+        options = ["--mib", str(args.mib), "--rounds", str(args.rounds), "--rate", args.rate, "--settle", str(args.settle),
+                   *(["--durable"] if args.durable else [])]
+        proc = bed.popen(bed.driver, [sys.executable, __file__, *options, "--driver-side", bed.to_json(), cluster.master,
                                       json.dumps(cluster.app_conf())],
                          env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         results = None

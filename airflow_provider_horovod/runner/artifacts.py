@@ -6,7 +6,8 @@ with its artifacts, ``upload_tree``, or a checkpoint version, ``put_version``; t
 leader, ``fetch_resume``). Their frames are in ``messages.py``.
 
 Files move as a stream of frames over the run's authenticated channel (``send_tree`` /
-``receive_tree``), one chunk in memory at a time. When rank 0's task runs on the driver's own host
+``receive_tree``): the kernel sends each chunk from the file's pages, and the receiver holds one
+256 KiB piece of it at a time. When rank 0's task runs on the driver's own host
 (``local[N]``, a single-machine cluster, or a folder on storage both see), the task offers its folder
 instead: it writes a random token to a private file and sends the file's path and the token over
 the channel. Only a driver that reads the same token at that path, so sees the same files as the
@@ -28,12 +29,10 @@ import errno
 import hmac
 import json
 import os
-import queue
 import secrets
 import shutil
 import stat
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -144,26 +143,20 @@ class Limits:
 
 
 def send_tree(conn, root: Path | None) -> int:
-    """Send every finished file under ``root``; return how many bytes were sent."""
+    """Send every finished file under ``root``; return how many bytes were sent. Each chunk is tagged
+    over the file's pages and sent by the kernel (``wire.FramedConnection.send_file``)."""
     sent = count = 0
     root_fd = _tree_fd(root)
+    scratch = memoryview(bytearray(wire.PIECE))
     try:
         for rel, fd in (finished_files(root_fd) if root_fd is not None else ()):
             with os.fdopen(fd, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 conn.send(FileHeader(rel, size).to_json())
                 count += 1
-                buf = bytearray(min(CHUNK, max(size, 1)))
-                view = memoryview(buf)
-                left = size
-                while left > 0:
-                    n = f.readinto(view[: min(CHUNK, left)])
-                    if not n:  # truncated under us: keep the promised size
-                        n = min(CHUNK, left)
-                        view[:n] = bytes(n)
-                    conn.send_bytes(view[:n])
-                    left -= n
-                    sent += n
+                for offset in range(0, size, CHUNK):
+                    conn.send_file(f, offset, min(CHUNK, size - offset), scratch)
+                sent += size
     finally:
         if root_fd is not None:
             os.close(root_fd)
@@ -177,100 +170,56 @@ class RefusedError(OSError):
 
 
 def receive_tree(conn, dest: Path, limits: Limits = Limits()) -> list[dict[str, Any]]:
-    """Receive what ``send_tree`` sends into ``dest``; files appear only when whole.
+    """Receive what ``send_tree`` sends into ``dest``; files appear only when whole and verified.
 
     Every name must stay inside ``dest``, every file must be exactly its declared size, and the
-    transfer must stay inside ``limits``; anything else is a ``TransferError``.
+    transfer must stay inside ``limits``; anything else is a ``TransferError``. A chunk goes to
+    ``<name>.partial`` as it arrives and counts once its tag is checked at its end; a chunk that
+    fails the check fails the transfer, and that partial file is removed, never renamed into place.
     """
     received = []
     total = 0
     dest.mkdir(parents=True, exist_ok=True)
-    writer = _FileWriter()
+    scratch = memoryview(bytearray(wire.PIECE))
+    while True:
+        raw = conn.recv()
+        if StreamEnd.is_one(raw):
+            return received
+        head = FileHeader.from_json(raw)
+        rel, size = PurePosixPath(head.file), head.size
+        if len(received) + 1 > limits.max_files:
+            raise TransferError("rank 0's artifacts hold more than %d files (max_artifact_files); keep fewer "
+                                "files in the checkpoint folder or raise the limit" % limits.max_files)
+        total += size
+        if total > limits.max_bytes:
+            raise TransferError("rank 0's artifacts are larger than %d bytes (max_artifact_bytes); keep smaller "
+                                "checkpoints or raise the limit" % limits.max_bytes)
+        target = dest.joinpath(*rel.parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _receive_file(conn, rel, size, target, scratch)
+        received.append({"path": rel.as_posix(), "size": size})
+
+
+def _receive_file(conn, rel: PurePosixPath, size: int, target: Path, scratch: memoryview) -> None:
+    """One file's chunks into ``target.partial``, renamed to ``target`` when all of them verified;
+    removed on any failure."""
+    partial = target.with_name(target.name + ".partial")
     try:
-        while True:
-            raw = conn.recv()
-            if StreamEnd.is_one(raw):
-                writer.finish()
-                return received
-            head = FileHeader.from_json(raw)
-            rel, size = PurePosixPath(head.file), head.size
-            if len(received) + 1 > limits.max_files:
-                raise TransferError("rank 0's artifacts hold more than %d files (max_artifact_files); keep fewer "
-                                    "files in the checkpoint folder or raise the limit" % limits.max_files)
-            total += size
-            if total > limits.max_bytes:
-                raise TransferError("rank 0's artifacts are larger than %d bytes (max_artifact_bytes); keep smaller "
-                                    "checkpoints or raise the limit" % limits.max_bytes)
-            target = dest.joinpath(*rel.parts)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(target.name + ".partial")
-            writer.put("open", partial)
+        with open(partial, "wb") as out:
             left = size
             while left > 0:
-                chunk = conn.recv_bytes()
-                if len(chunk) > left:
-                    raise TransferError("%s is larger than the %d bytes it declared" % (rel, size))
-                writer.put("write", chunk)
-                left -= len(chunk)
-            writer.put("close", (partial, target))
-            received.append({"path": rel.as_posix(), "size": size})
+                try:
+                    left -= conn.recv_frame_to(out.write, left, scratch)
+                except wire.FrameTooLarge as err:
+                    raise TransferError("%s is larger than the %d bytes it declared" % (rel, size)) from err
+                except wire.AuthenticationError as err:
+                    raise wire.AuthenticationError("a chunk of %s failed verification (%s); its partial file is "
+                                                   "removed" % (rel, err)) from err
+        os.replace(partial, target)
     except BaseException:
-        writer.stop()
+        with contextlib.suppress(OSError):
+            partial.unlink()
         raise
-
-
-class _FileWriter:
-    """Writes received chunks in a thread of its own, so the disk works while the next frame arrives.
-
-    At most ``depth`` chunks wait in between, so memory stays bounded. A write error is raised in
-    the receiving thread at its next call; ``stop`` abandons whatever is still queued.
-    """
-
-    def __init__(self, depth: int = 2) -> None:
-        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=depth)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="hvdrunner-artifact-writer", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        out = None
-        while (item := self._queue.get()) is not None:
-            op, arg = item
-            if self._error is not None:
-                continue  # drain without writing: the receiver raises at its next call
-            try:
-                if op == "open":
-                    out = open(arg, "wb")  # noqa: SIM115 (closed by "close" or on the way out)
-                elif op == "write":
-                    out.write(arg)
-                else:  # "close": (partial, target)
-                    out.close()
-                    os.replace(*arg)
-            except BaseException as err:  # noqa: BLE001 (handed to the receiving thread)
-                self._error = err
-        if out is not None:
-            out.close()
-
-    def put(self, op: str, arg: Any) -> None:
-        if self._error is not None:
-            raise self._error
-        self._queue.put((op, arg))
-
-    def finish(self) -> None:
-        """Wait until everything queued is on disk; raise the first write error, if any."""
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-    def stop(self) -> None:
-        """Abandon the transfer: let the thread end without writing what is left."""
-        self._error = self._error or ConnectionAbortedError("transfer abandoned")
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self._queue.get_nowait()
-        self._queue.put(None)
-        self._thread.join()
 
 
 # -- same-host copy -------------------------------------------------------------------------------

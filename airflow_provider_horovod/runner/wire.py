@@ -6,11 +6,17 @@ key from the role's key and both nonces, so a frame recorded on one connection m
 another, in either direction. The server reads at most a small hello before it knows the client
 holds the role's key, and the client reads the server's ``welcome`` before it trusts anything.
 
-Every frame after that carries a 16-byte tag: ChaCha20-Poly1305 (RFC 8439) under the connection key
-with the body as associated data and ``direction || sequence number`` as the nonce, so each
-(key, nonce) pair signs one frame only. The AEAD, used with an empty plaintext, is a MAC; it is
-about three times as fast as HMAC-SHA256 on large frames (artifact chunks; see docs/benchmarks.md).
-A frame that fails to verify closes the connection before its body is looked at.
+Every frame after that carries a 16-byte tag: AES-256-GCM (NIST SP 800-38D) under the connection
+key with the body as associated data and ``direction || sequence number`` as the nonce, so each
+(key, nonce) pair signs one frame only. The AEAD, used with an empty plaintext, is a MAC (GMAC); with
+the CPU's AES and carry-less multiply instructions it runs at ~5 GB/s a core here, 2.6x
+ChaCha20-Poly1305 and 4x HMAC-SHA256 (see docs/benchmarks.md). A frame that fails to verify closes
+the connection before its body is looked at.
+
+Large frames (artifact chunks) never sit whole in memory: ``send_file`` tags a region of a file
+piece by piece, then the kernel sends it (``sendfile``); ``recv_frame_to`` hands the body on piece
+by piece as it arrives and checks the tag at the frame's end. Its caller must discard what it was
+handed when that check fails (``artifacts.receive_tree`` removes the partial file).
 
 Keys are per role, derived from the run's secret: barrier tasks (``task``), rank processes
 (``rank.<n>``, one key per rank: its own logs and failure report only) and mpirun's rsh agent
@@ -35,15 +41,17 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 log = logging.getLogger(__name__)
 
 NONCE_BYTES = 16
-MAC_BYTES = 16  # a Poly1305 tag
+MAC_BYTES = 16  # a GCM tag
 MAX_FRAME = 64 * 1024 * 1024
+PIECE = 256 * 1024  # how much of a large frame is in user space at once: tagged while it is in the CPU's cache
 HELLO_MAX = 4096  # the most a server reads from a peer it has not authenticated yet
 HANDSHAKE_TIMEOUT = 10.0
 MAX_ROLE = 16
@@ -63,6 +71,14 @@ class AuthenticationError(ConnectionError):
 
 class ProtocolError(ConnectionError):
     """An authenticated peer sent something that is not a message of the protocol."""
+
+
+class FrameTooLarge(ProtocolError):
+    """An authenticated peer's frame is longer than the reader expects at this point (``length``)."""
+
+    def __init__(self, length: int, most: int) -> None:
+        super().__init__("a frame of %d bytes where at most %d were expected" % (length, most))
+        self.length = length
 
 
 def new_secret() -> bytes:
@@ -153,15 +169,18 @@ def _time_left(sock: socket.socket, deadline: float | None) -> None:
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     buf = bytearray(n)
-    view = memoryview(buf)
+    _recv_exact_into(sock, memoryview(buf), deadline)
+    return buf
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     pos = 0
-    while pos < n:
+    while pos < len(view):
         _time_left(sock, deadline)
-        got = sock.recv_into(view[pos:], n - pos)
+        got = sock.recv_into(view[pos:])
         if not got:
             raise ConnectionError("connection closed")
         pos += got
-    return buf
 
 
 class FramedConnection:
@@ -173,16 +192,24 @@ class FramedConnection:
     def __init__(self, sock: socket.socket, key: bytes, role: str) -> None:
         self.sock = sock
         self.role = role
-        self._aead = ChaCha20Poly1305(key)
+        self._key = key
+        self._aead = AESGCM(key)
         self._send_seq = 0
         self._recv_seq = 0
         self._max_frame = MAX_FRAME
         self._deadline: float | None = None  # during the handshake: when it must be over
         self._send_lock = threading.Lock()  # one frame at a time, whichever thread sends
 
+    @staticmethod
+    def _nonce(direction: bytes, seq: int) -> bytes:
+        return direction + bytes(3) + seq.to_bytes(8, "big")
+
     def _mac(self, direction: bytes, seq: int, body: bytes | bytearray | memoryview) -> bytes:
-        nonce = direction + bytes(3) + seq.to_bytes(8, "big")
-        return self._aead.encrypt(nonce, b"", body)
+        return self._aead.encrypt(self._nonce(direction, seq), b"", body)
+
+    def _mac_by_pieces(self, direction: bytes, seq: int):
+        """The same tag as ``_mac``, fed a piece at a time (``authenticate_additional_data``)."""
+        return Cipher(algorithms.AES(self._key), modes.GCM(self._nonce(direction, seq))).encryptor()
 
     def send_bytes(self, body: bytes | bytearray | memoryview) -> None:
         with self._send_lock:
@@ -191,20 +218,65 @@ class FramedConnection:
             self._send_seq += 1
             if len(body) < 65536:
                 self.sock.sendall(_HEADER.pack(len(body)) + mac + bytes(body))
-            else:  # large frames (artifact chunks): no copy of the body
+            else:  # large frames: no copy of the body
                 self.sock.sendall(_HEADER.pack(len(body)) + mac)
                 self.sock.sendall(body)
 
-    def recv_bytes(self) -> bytearray:
+    def send_file(self, file: BinaryIO, offset: int, size: int, scratch: memoryview) -> None:
+        """One frame whose body is ``size`` bytes of the open ``file`` from ``offset``. The tag is
+        computed over the file's pages a ``scratch``-sized piece at a time, then the kernel sends the
+        pages (``sendfile``): the body is never copied out of user space. A file rewritten in place
+        between the two fails the receiver's check, so the transfer; one that shrank is an ``OSError``."""
+        with self._send_lock:
+            mac = self._mac_by_pieces(self._SEND, self._send_seq)
+            done = 0
+            while done < size:
+                got = os.preadv(file.fileno(), [scratch[: min(len(scratch), size - done)]], offset + done)
+                if not got:
+                    raise OSError("%s shrank while it was sent" % getattr(file, "name", "a file"))
+                mac.authenticate_additional_data(scratch[:got])
+                done += got
+            mac.finalize()
+            self._send_seq += 1
+            self.sock.sendall(_HEADER.pack(size) + mac.tag)
+            if self.sock.sendfile(file, offset, size) != size:
+                raise OSError("%s shrank while it was sent" % getattr(file, "name", "a file"))
+
+    def _recv_header(self) -> tuple[int, bytearray]:
         (length,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size, self._deadline))
         if length > self._max_frame:
             raise AuthenticationError("frame of %d bytes is larger than allowed here (%d)" % (length, self._max_frame))
-        mac = _recv_exact(self.sock, MAC_BYTES, self._deadline)
+        return length, _recv_exact(self.sock, MAC_BYTES, self._deadline)
+
+    def recv_bytes(self) -> bytearray:
+        length, mac = self._recv_header()
         body = _recv_exact(self.sock, length, self._deadline)
         if not hmac.compare_digest(mac, self._mac(self._RECV, self._recv_seq, body)):
             raise AuthenticationError("frame not signed with this run's key")
         self._recv_seq += 1
         return body
+
+    def recv_frame_to(self, write: Callable[[memoryview], object], most: int, scratch: memoryview) -> int:
+        """The next frame's body, at most ``most`` bytes (else ``FrameTooLarge`` before any is read),
+        handed to ``write`` a ``scratch``-sized piece at a time as it arrives; returns its length.
+        The tag is checked at the frame's end: on ``AuthenticationError`` the caller discards what
+        ``write`` was given."""
+        length, mac = self._recv_header()
+        if length > most:
+            raise FrameTooLarge(length, most)
+        check = self._mac_by_pieces(self._RECV, self._recv_seq)
+        done = 0
+        while done < length:
+            piece = scratch[: min(len(scratch), length - done)]
+            _recv_exact_into(self.sock, piece, self._deadline)
+            check.authenticate_additional_data(piece)
+            write(piece)
+            done += len(piece)
+        check.finalize()
+        if not hmac.compare_digest(mac, check.tag):
+            raise AuthenticationError("frame not signed with this run's key")
+        self._recv_seq += 1
+        return length
 
     def send(self, obj: dict[str, Any]) -> None:
         self.send_bytes(json.dumps(obj).encode())

@@ -105,8 +105,8 @@ def test_cancel_during_artifact_transfer_leaves_the_folder_marked_incomplete(spa
         real_receive = artifacts.receive_tree
 
         def slow_receive(conn, dest, *limits):
-            recv_bytes = conn.recv_bytes
-            conn.recv_bytes = lambda *a, **k: time.sleep(0.1) or recv_bytes(*a, **k)
+            recv_frame_to = conn.recv_frame_to  # one call per 4 MiB chunk
+            conn.recv_frame_to = lambda *a, **k: time.sleep(0.1) or recv_frame_to(*a, **k)
             return real_receive(conn, dest, *limits)
 
         monkeypatch.setattr(artifacts, "receive_tree", slow_receive)

@@ -173,6 +173,27 @@ def test_a_malformed_stream_fails_the_upload_and_writes_nothing_outside_staging(
     assert not Path("/etc/escape.pt").exists()
 
 
+def test_a_chunk_not_signed_with_the_key_fails_the_upload_and_leaves_no_file(tmp_path, channel):
+    # A peer on the path rewrites the second chunk of a file in flight: the chunk's tag no longer
+    # matches, so the upload fails and neither the file nor its partial first chunk stays.
+    body = b"w" * (1 << 16)
+    conn = wire.connect(channel.address, TASK)
+    try:
+        conn.send({"t": "put"})
+        conn.send({"offer": None})
+        assert conn.recv()["mode"] == "stream"
+        conn.send({"file": "checkpoints/epoch-1.pt", "size": 2 * len(body)})
+        conn.send_bytes(body)
+        conn.sock.sendall(wire._HEADER.pack(len(body)) + bytes(wire.MAC_BYTES) + b"x" * len(body))
+        conn.sock.settimeout(10)
+        receipt = conn.recv()
+    finally:
+        conn.close()
+    assert not receipt["ok"] and "failed verification" in receipt["error"]
+    assert "a chunk of checkpoints/epoch-1.pt failed verification" in str(channel.upload_error)
+    assert _staged(tmp_path) == {}
+
+
 def test_the_channel_keeps_serving_after_a_malformed_upload(tmp_path, channel):
     assert not _put(channel, None, frames=[{"file": "../x", "size": 0}])["ok"]
     task = _task_dir(tmp_path)

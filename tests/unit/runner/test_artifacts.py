@@ -1,13 +1,16 @@
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import socket
+import threading
 from pathlib import Path
 
 import pytest
 
-from airflow_provider_horovod.runner import artifacts
+from airflow_provider_horovod.runner import artifacts, wire
 from airflow_provider_horovod.runner.artifacts import (
     commit,
     copy_tree,
@@ -20,6 +23,7 @@ from airflow_provider_horovod.runner.artifacts import (
     receive_tree,
     summarize,
 )
+from airflow_provider_horovod.runner.messages import TransferError
 from airflow_provider_horovod.runner.timeline import parse
 
 HOROVOD_STYLE = (
@@ -138,40 +142,99 @@ def test_copy_stopped_midway_leaves_no_file_that_looks_whole(tmp_path, monkeypat
 
 
 # -- streaming ------------------------------------------------------------------------------------
-class _Frames:
-    """The receiving end of a connection, replaying the frames ``send_tree`` would send."""
-
-    def __init__(self, frames: list) -> None:
-        self.frames = list(frames)
-
-    def recv(self):
-        frame = self.frames.pop(0)
-        if isinstance(frame, BaseException):
-            raise frame
-        return frame
-
-    recv_bytes = recv
+@pytest.fixture
+def framed():
+    """Both ends of a real authenticated connection (a socket pair, the run's framing)."""
+    left, right = socket.socketpair()
+    key = wire.new_secret()
+    client, server = wire.ClientConnection(left, key, "task"), wire.ServerConnection(right, key, "task")
+    yield client, server
+    client.close()
+    server.close()
 
 
-def test_streamed_files_appear_whole_in_order(tmp_path):
+def _replay(conn: wire.FramedConnection, frames: list) -> threading.Thread:
+    """Send ``frames`` in a thread as the other end would: objects as messages, bytes as chunks, an
+    exception as the connection cut off there."""
+
+    def send() -> None:
+        with contextlib.suppress(OSError):
+            for frame in frames:
+                if isinstance(frame, BaseException):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                    return
+                conn.send_bytes(frame) if isinstance(frame, bytes) else conn.send(frame)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def test_streamed_files_appear_whole_in_order(tmp_path, framed):
     body = os.urandom(10 << 20)
     frames = [{"file": "checkpoints/a.pt", "size": len(body)}, body[: 4 << 20], body[4 << 20 : 8 << 20], body[8 << 20 :],
               {"file": "timeline.json", "size": 2}, b"[]", {"end": True, "files": 2}]
-    received = receive_tree(_Frames(frames), tmp_path / "dest")
+    sender = _replay(framed[0], frames)
+    received = receive_tree(framed[1], tmp_path / "dest")
+    sender.join()
     assert received == [{"path": "checkpoints/a.pt", "size": len(body)}, {"path": "timeline.json", "size": 2}]
     assert _tree(tmp_path / "dest") == {"checkpoints/a.pt": body, "timeline.json": b"[]"}
 
 
-def test_a_stream_cut_midway_leaves_only_a_partial_file(tmp_path):
-    frames = [{"file": "a.pt", "size": 3}, b"ab", ConnectionResetError("the task went away")]
-    with pytest.raises(ConnectionResetError):
-        receive_tree(_Frames(frames), tmp_path / "dest")
-    assert [p.name for p in (tmp_path / "dest").iterdir()] in ([], ["a.pt.partial"])  # never a.pt
+def test_send_tree_sends_each_file_whole_across_chunk_and_piece_boundaries(tmp_path, framed, monkeypatch):
+    monkeypatch.setattr(artifacts, "CHUNK", 3 << 20)
+    monkeypatch.setattr(wire, "PIECE", 100_000)  # neither divides the other nor the file
+    (tmp_path / "src" / "checkpoints").mkdir(parents=True)
+    files = {"checkpoints/model.bin": os.urandom((7 << 20) + 12345), "empty.txt": b"", "tiny.json": b"{}"}
+    for rel, data in files.items():
+        (tmp_path / "src" / rel).write_bytes(data)
+    sender = threading.Thread(target=artifacts.send_tree, args=(framed[0], tmp_path / "src"))
+    sender.start()
+    received = receive_tree(framed[1], tmp_path / "dest")
+    sender.join()
+    assert sorted(f["path"] for f in received) == sorted(files)
+    assert _tree(tmp_path / "dest") == files
 
 
-def test_a_write_error_on_the_driver_reaches_the_receiver(tmp_path):
-    (tmp_path / "dest" / "a.pt.partial").mkdir(parents=True)  # the writer cannot open its file
-    frames = [{"file": "a.pt", "size": 1}, b"x", {"end": True}]
+def test_a_chunk_that_fails_verification_fails_the_transfer_and_leaves_no_file(tmp_path, framed):
+    client, server = framed
+    body = os.urandom(1 << 20)
+
+    def send() -> None:
+        client.send({"file": "a.pt", "size": 2 * len(body)})
+        client.send_bytes(body)  # a genuine first chunk: written to the partial file
+        with contextlib.suppress(OSError):  # the second, with a tag not made with the key
+            client.sock.sendall(wire._HEADER.pack(len(body)) + bytes(wire.MAC_BYTES) + body)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    with pytest.raises(wire.AuthenticationError, match="a chunk of a.pt failed verification"):
+        receive_tree(server, tmp_path / "dest")
+    sender.join()
+    assert list((tmp_path / "dest").iterdir()) == []  # neither a.pt nor a.pt.partial
+
+
+def test_a_chunk_longer_than_its_file_declared_is_refused_before_it_is_read(tmp_path, framed):
+    sender = _replay(framed[0], [{"file": "a.pt", "size": 3}, b"abcd"])
+    with pytest.raises(TransferError, match="a.pt is larger than the 3 bytes it declared"):
+        receive_tree(framed[1], tmp_path / "dest")
+    sender.join()
+    assert list((tmp_path / "dest").iterdir()) == []
+
+
+def test_a_stream_cut_midway_leaves_no_file(tmp_path, framed):
+    sender = _replay(framed[0], [{"file": "a.pt", "size": 3}, b"ab", ConnectionResetError("the task went away")])
+    with pytest.raises(ConnectionError):
+        receive_tree(framed[1], tmp_path / "dest")
+    sender.join()
+    assert list((tmp_path / "dest").iterdir()) == []
+
+
+def test_a_write_error_on_the_driver_reaches_the_receiver(tmp_path, framed):
+    (tmp_path / "dest" / "a.pt.partial").mkdir(parents=True)  # the receiver cannot open its file
+    sender = _replay(framed[0], [{"file": "a.pt", "size": 1}, b"x", {"end": True}])
     with pytest.raises(IsADirectoryError):
-        receive_tree(_Frames(frames), tmp_path / "dest")
+        receive_tree(framed[1], tmp_path / "dest")
+    framed[1].close()
+    sender.join()
     assert not (tmp_path / "dest" / "a.pt").exists()

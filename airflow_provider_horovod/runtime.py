@@ -16,6 +16,7 @@ Outside a rank every function answers as a single local process would (rank 0 of
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from airflow_provider_horovod.runner import names
@@ -120,13 +121,21 @@ def checkpoint_dir() -> Path:
 def commit_checkpoint(step: int | None = None, **metrics: object) -> None:
     """Rank 0: the checkpoint folder as it is now is one consistent version; ship and commit it in
     the background (training goes on at once). Once a run has called this, only its calls make
-    versions. ``step`` and ``metrics`` go into the version's marker. Other ranks: nothing happens."""
+    versions. ``step`` and ``metrics`` go into the version's marker. Other ranks: nothing happens.
+    An empty checkpoint folder is no version: the call warns and does nothing."""
     from airflow_provider_horovod.runner.shipper import request_commit
 
     base = os.environ.get(names.ENV_TASK_DIR)
     if base is None or rank() != 0:
         return
-    request_commit(names.TaskDir(base), checkpoint_dir(), step, dict(metrics))
+    folder = checkpoint_dir()
+    if not any(folder.iterdir()):
+        warnings.warn("runtime.commit_checkpoint(step=%r): %s is empty, so there is no checkpoint to commit; write "
+                      "its files first." % (step, folder), stacklevel=2)
+        return
+    request_commit(names.TaskDir(base), folder, step, dict(metrics))
+
+
 def dataset(remainder: str = "wrap"):
     """This rank's shard of the run's ``dataset=`` (a ``runner.shard.Shard``): ``num_rows``,
     ``schema``, ``iter_batches()``, ``steps()``, ``to_torch()``, ``to_tf()``.

@@ -160,3 +160,12 @@ def test_commit_checkpoint_outside_a_run_does_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     runtime.commit_checkpoint(step=1)
     assert not (tmp_path / names.COMMITS_DIR).exists()
+
+
+def test_commit_checkpoint_of_an_empty_folder_warns_and_makes_no_version(tmp_path, monkeypatch):
+    task = names.TaskDir(tmp_path)
+    monkeypatch.setenv(names.ENV_TASK_DIR, str(task.path))
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    with pytest.warns(UserWarning, match=r"commit_checkpoint\(step=3\): .* is empty.*write its files first"):
+        runtime.commit_checkpoint(step=3)
+    assert not (task.path / names.COMMITS_DIR).exists()

@@ -54,6 +54,11 @@ PATCHES = (
           "device_attr.iface = global_context.gloo_iface_;",
           "a process set's device must bind HOROVOD_GLOO_IFACE like the global one: its own gloo_iface_ is never"
           " set, so Gloo advertised the address of gethostname(), loopback on Debian's 127.0.1.1 hosts"),
+    Patch("horovod/common/gloo/gloo_controller.cc", 92, "global_ranks_.reserve(size_);",
+          "global_ranks_ = std::vector<int>(size_);",
+          "the Gloo controller's rank list must hold its ranks, as the MPI controller's does: reserve() left it"
+          " empty, so the stall check (StallInspector::CheckForStalledTensors loops over global_ranks.size())"
+          " never named a missing rank and HOROVOD_STALL_CHECK/SHUTDOWN_TIME_SECONDS did nothing under Gloo"),
     Patch("horovod/tensorflow/xla_mpi_ops.cc", 23, "#if TENSORFLOW_VERSION >= 2006000000",
           "#if TENSORFLOW_VERSION >= 2006000000 && HAVE_GPU",
           "GPU-only file; on TF >= 2.6 its XLA headers need highwayhash, which TensorFlow's wheel lacks",

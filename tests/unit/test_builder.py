@@ -47,6 +47,23 @@ def test_gloo_patch_changes_only_the_process_set_device_line(tmp_path):
     assert patched[106] == patched[143] == "  device_attr.iface = gloo_iface_;"
 
 
+def test_gloo_controller_patch_sizes_the_rank_list_the_stall_check_loops_over(tmp_path):
+    """Horovod 0.28.1's GlooController::DoInitialization reserve()d global_ranks_ and allgathered into
+    its spare capacity: size() stayed 0, so the stall check found no missing rank under Gloo."""
+    ranks = next(p for p in PATCHES if p.path.endswith("gloo_controller.cc"))
+    path = tmp_path / ranks.path
+    path.parent.mkdir(parents=True)
+    lines = ["// filler"] * 120
+    lines[ranks.line - 1] = "  global_ranks_.reserve(size_);"
+    lines[ranks.line + 4] = "    opts.setOutput(global_ranks_.data(), size_);"
+    path.write_text("\n".join(lines))
+    builder.apply_patches(tmp_path, (ranks,))
+    patched = path.read_text().split("\n")
+    assert patched[ranks.line - 1] == "  global_ranks_ = std::vector<int>(size_);"
+    assert patched[ranks.line + 4] == "    opts.setOutput(global_ranks_.data(), size_);"
+    assert ranks.framework is None  # every build has Gloo
+
+
 def test_a_patch_whose_line_moved_fails_naming_file_line_and_text(tmp_path):
     patch = PATCHES[0]
     fake_sdist(tmp_path, (dataclasses.replace(patch, line=patch.line + 1),))
@@ -58,7 +75,8 @@ def test_a_patch_whose_line_moved_fails_naming_file_line_and_text(tmp_path):
 def test_torch_build_takes_the_cmake_and_gloo_patches_not_tensorflows():
     torch_only = builder.patches_for(("torch",))
     assert {p.path for p in torch_only} == {"CMakeLists.txt", "horovod/torch/CMakeLists.txt",
-                                            "horovod/common/gloo/gloo_context.cc"}
+                                            "horovod/common/gloo/gloo_context.cc",
+                                            "horovod/common/gloo/gloo_controller.cc"}
     assert builder.patches_for(("torch", "tensorflow")) == PATCHES
 
 

@@ -136,7 +136,10 @@ def test_cancel_during_artifact_transfer_leaves_the_folder_marked_incomplete(spa
     marker = read_marker(dest)
     assert marker["status"] == "cancelled" and marker["complete"] is False
     assert not (dest / "checkpoints").exists()  # nothing half-copied looks like a checkpoint
-    size = incoming.stat().st_size
+    size = incoming.stat().st_size if transport == "copy" else None
+    if transport == "stream":
+        assert not incoming.exists()  # the stream's receiver removes a file cut off mid-transfer
     time.sleep(1)
-    assert incoming.stat().st_size == size  # and nothing is still being written after run() returned
+    # and nothing is still being written after run() returned
+    assert (incoming.stat().st_size if incoming.exists() else None) == size
     assert list(dest.glob(".incoming-*/checkpoints/big.bin")) == []

@@ -20,9 +20,11 @@ the row id. Then, alternating for ``--rounds`` rounds:
   read rate over its epoch (rows/s), the driver's Python RSS growth and the largest RSS growth of a
   barrier task's Python worker, sampled every 50 ms while the rows move.
 * **horovodrun**: ``horovodrun -np 2 --mpi`` runs the same ``read`` on the same rows, each rank
-  reading its half from a local Arrow IPC file (written beforehand, untimed, in batches of
-  ``--batch-size`` rows: the best layout pyarrow can have) through ``pyarrow.ipc.open_file`` on a
-  memory map.
+  reading its half from a local Arrow IPC file (in batches of ``--batch-size`` rows: the best layout
+  pyarrow can have) through ``pyarrow.ipc.open_file`` on a memory map. The files are written,
+  untimed, right before each of its runs (``--anchor-files fresh``, the default), as the runner's
+  shards are spilled right before its ranks read them: the kernel writes both back to disk while
+  they are read. ``--anchor-files old`` writes them once, at the start.
 
 It prints the medians, the median of the paired ratios runner/horovodrun of the read rate
 (target >= 0.9) and checks the memory targets (driver <= 50 MB, barrier task <= 200 MB).

@@ -70,7 +70,8 @@ class StandaloneCluster:
         self.procs.append(subprocess.Popen([str(self.spark_home / "bin" / "spark-class"), *args], env=env,
                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
-    def start(self) -> StandaloneCluster:
+    def start(self, wait: bool = True) -> StandaloneCluster:
+        """Start the master and the workers; with ``wait=False`` return at once (``wait_for_workers()`` later)."""
         self._start(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(self.port),
                      "--webui-port", str(self.ui_port)], "master", self._env())
         for i in range(self.n_workers):
@@ -81,10 +82,11 @@ class StandaloneCluster:
             self._start(["org.apache.spark.deploy.worker.Worker", self.master, "--host", "127.0.0.1", "--cores", "1",
                          "--memory", "1g", "--webui-port", str(free_port()), "--work-dir", str(work)],
                         "worker%d" % i, self._env({"SPARK_WORKER_OPTS": opts}))
-        self._wait_for_workers()
+        if wait:
+            self.wait_for_workers()
         return self
 
-    def _wait_for_workers(self, timeout: float = 90) -> None:
+    def wait_for_workers(self, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):

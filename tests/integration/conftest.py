@@ -30,11 +30,13 @@ def airflow_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dep
     ``spark_shared`` connection; torn down at the end of the session. The UI and the APIs are served
     under ``/airflow`` (``[api] base_url``), as behind a reverse proxy: every test that talks to the
     deployment, the browser's included, goes through that prefix."""
-    cluster = StandaloneCluster(tmp_path_factory.mktemp("deployment-spark"), workers=4).start()
+    # The cluster's JVMs start while the deployment does (its URL is known before it listens).
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("deployment-spark"), workers=4).start(wait=False)
     try:
         shared = {"conn_type": "spark", "host": cluster.master, "extra": {**cluster.app_conf(), "spark.cores.max": "2"}}
         env = {**DEPLOYMENT_ENV, "AIRFLOW_CONN_%s" % SHARED_SPARK_CONN_ID.upper(): json.dumps(shared)}
         with Deployment.start(tmp_path_factory.mktemp("deployment"), DEPLOYMENT_DAGS, env, path_prefix=PATH_PREFIX) as deployment:
+            cluster.wait_for_workers()
             deployment.shared_spark = cluster
             yield deployment
     finally:

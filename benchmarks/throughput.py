@@ -146,6 +146,8 @@ def train(steps=100, warmup=10, batch_size=32, seed=1234, threads=1, report=Fals
 
         # the CPU time of rank 0's report-sending thread (the rest of what reporting costs the rank)
         sender = next((t.native_id for t in threading.enumerate() if t.name == "hvdrunner-reports"), None)
+        if hvd.rank() == 0 and sender is None:
+            raise RuntimeError("rank 0 reported, yet no hvdrunner-reports thread is running")
         sender_cpu = next((t.user_time + t.system_time for t in psutil.Process().threads() if t.id == sender), 0.0)
         result["interleaved"] = hvd.allgather_object({
             "with": images_per_s(True), "without": images_per_s(False), "pairs": pairs, "in_report_s": in_report,

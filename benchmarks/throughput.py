@@ -27,6 +27,13 @@ against bare horovodrun (which has no such call): the whole rank side, as users 
 
 ``--mode report`` compares the runner with itself instead: ``runtime.report(step, total_steps,
 loss=...)`` called on every rank at every step against the same run without it (target >= 0.99).
+
+``--mode interleaved`` measures the same cost inside each run: the timed steps alternate in blocks
+of ``--block`` steps between reporting at every step and not, each block timed on its own, so the
+machine's drift between runs (up to 2x on this VM) cancels out; the runs alternate which kind of
+block comes first. It prints the ratio with/without per run and its median (target >= 0.99)::
+
+    .venv/bin/python benchmarks/throughput.py --mode interleaved --launcher gloo --rounds 5 --steps 400
 """
 
 from __future__ import annotations
@@ -52,8 +59,12 @@ TARGET = 0.98  # issue #9: >= 0.98x horovodrun with the same launcher
 REPORT_TARGET = 0.99  # issue #22: a runtime.report per step costs at most 1 %
 
 
-def train(steps=100, warmup=10, batch_size=32, seed=1234, threads=1, report=False):
-    """Train a small CNN on synthetic data; return every rank's images/s (gathered on all ranks)."""
+def train(steps=100, warmup=10, batch_size=32, seed=1234, threads=1, report=False, block=0, report_first=False):
+    """Train a small CNN on synthetic data; return every rank's images/s (gathered on all ranks).
+
+    ``block`` > 0 interleaves: the timed steps run in blocks of ``block`` steps, every other block
+    calling ``runtime.report`` at each step (the first one if ``report_first``), each block timed on
+    its own; the result then also holds every rank's images/s in the blocks with and without it."""
     import time
 
     import horovod.torch as hvd
@@ -102,16 +113,32 @@ def train(steps=100, warmup=10, batch_size=32, seed=1234, threads=1, report=Fals
         step(i)
     hvd.allreduce(torch.zeros(1), name="timing.start")  # start the clock together
     t0 = time.perf_counter()
-    if report:
+    if report or block:
         from airflow_provider_horovod import runtime
+    blocks = []  # (reported, seconds) of each block of `block` steps
+    block_start, reporting = t0, report_first
     for i in range(steps):
         loss = step(warmup + i)
-        if report:
+        if report or (block and reporting):
             runtime.report(step=i + 1, total_steps=steps, loss=loss.item())
+        if block and (i + 1) % block == 0:
+            now = time.perf_counter()
+            blocks.append((reporting, now - block_start))
+            block_start, reporting = now, not reporting
     elapsed = time.perf_counter() - t0
     rate = steps * batch_size / elapsed
-    rates = hvd.allgather_object(rate)
-    return {"rates": rates, "size": hvd.size(), "loss": float(loss.item()), "steps": steps, "batch_size": batch_size}
+    result = {"rates": hvd.allgather_object(rate), "size": hvd.size(), "loss": float(loss.item()), "steps": steps,
+              "batch_size": batch_size}
+    if block:
+        def images_per_s(reported):
+            seconds = [t for r, t in blocks if r == reported]
+            return len(seconds) * block * batch_size / sum(seconds)
+
+        # each pair of neighbouring blocks, one with and one without: images/s with / without = time without / with
+        pairs = [(a[1] / b[1]) if b[0] else (b[1] / a[1]) for a, b in zip(blocks[::2], blocks[1::2])]
+        result["interleaved"] = hvd.allgather_object({"with": images_per_s(True), "without": images_per_s(False),
+                                                      "pairs": pairs})
+    return result
 
 
 SCRIPT = '''\
@@ -145,8 +172,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before the clock starts (default 10)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--launcher", choices=("mpirun", "gloo"), default="mpirun", help="HorovodRunner's launcher")
-    parser.add_argument("--mode", choices=("horovodrun", "report"), default="horovodrun",
-                        help="compare with bare horovodrun (default), or runtime.report every step with none")
+    parser.add_argument("--mode", choices=("horovodrun", "report", "interleaved"), default="horovodrun",
+                        help="compare with bare horovodrun (default); runtime.report every step with none, as two "
+                             "runs (report) or as alternating blocks of steps inside each run (interleaved)")
+    parser.add_argument("--block", type=int, default=25, help="with --mode interleaved: steps per block (default 25)")
     parser.add_argument("--report", action="store_true",
                         help="with --mode horovodrun: the runner's ranks call runtime.report every step (issue #22: "
                              "everything the rank side adds, against bare horovodrun)")
@@ -202,6 +231,42 @@ def run_round(contenders: dict, rates: dict[str, list[list[float]]], r: int, tot
     print("round %d/%d: %s" % (r + 1, total, "; ".join(line)), flush=True)
 
 
+def interleaved(args: argparse.Namespace, spark, kwargs: dict) -> int:
+    """``--mode interleaved``: in each run the timed steps alternate, block by block, between calling
+    ``runtime.report`` at every step and not; the same processes, a few seconds apart, so the
+    machine's drift (2x between runs here) cancels out. Runs alternate which kind of block comes first."""
+    from airflow_provider_horovod import HorovodRunner
+
+    if args.steps < 2 * args.block:
+        raise SystemExit("--steps must hold at least two blocks of --block steps")
+
+    def run(first: bool) -> dict:
+        return HorovodRunner(NP, launcher=args.launcher, spark=spark, driver_log_verbosity="log_callback_only",
+                             on_report=lambda _report: None).run(train, block=args.block, report_first=first, **kwargs)
+
+    run(False)  # warm-up, untimed
+    print("interleaved: %d runs of %d steps, blocks of %d steps alternating with/without runtime.report each step"
+          % (args.rounds, args.steps, args.block))
+    ratios, pairs = [], []
+    for r in range(args.rounds):
+        got = run(r % 2 == 1)["interleaved"]
+        with_, without = (sum(rank[k] for rank in got) / NP for k in ("with", "without"))
+        ratios.append(with_ / without)
+        pairs += [p for rank in got for p in rank["pairs"]]
+        print("run %d/%d: with %.0f img/s per rank, without %.0f: %.3fx (median of its block pairs %.3f)" % (
+            r + 1, args.rounds, with_, without, ratios[-1], statistics.median(got[0]["pairs"])), flush=True)
+    print_load("at the end")
+    ratio = statistics.median(ratios)
+    print()
+    print("runtime.report each step, interleaved in the same ranks (%s, np=%d, batch %d):" % (args.launcher, NP,
+                                                                                           args.batch_size))
+    print("  ratio with/without (median over %d runs): %.3f   target >= %.2f   %s" % (
+        args.rounds, ratio, REPORT_TARGET, "PASS" if ratio >= REPORT_TARGET else "MISS"))
+    print("  median of all %d neighbouring block pairs: %.3f (quartiles %.3f-%.3f)" % (
+        len(pairs), statistics.median(pairs), *statistics.quantiles(pairs, n=4)[::2]))
+    return 0
+
+
 def main() -> int:
     args = parse_args()
     os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")  # as the test suite; both contenders
@@ -235,6 +300,8 @@ def main() -> int:
             except RunCancelledError as err:  # our own SIGTERM/Ctrl-C, turned into a cancel by the runner
                 raise KeyboardInterrupt from err
 
+        if args.mode == "interleaved":
+            return interleaved(args, spark, kwargs)
         if args.mode == "report":
             contenders = {"runner": runner, "reporting": lambda: runner(report=True)}
             names = {"runner": "HorovodRunner(2) %s" % args.launcher,

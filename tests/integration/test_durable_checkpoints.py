@@ -39,7 +39,7 @@ def first_version_while_running(artifact_dir: Path, runner_thread: threading.Thr
 def test_versions_are_committed_while_the_run_trains_and_last_run_lists_them(tmp_path, launcher, explicit):
     dest = tmp_path / "a"
     runner = HorovodRunner(-2, launcher=launcher, artifact_dir=dest, keep_checkpoints=2)
-    thread = threading.Thread(target=runner.run, args=(jobs.durable_job,), kwargs={"steps": 5, "pause": 1.0,
+    thread = threading.Thread(target=runner.run, args=(jobs.durable_job,), kwargs={"steps": 5, "pause": 0.5,
                                                                                     "explicit": explicit})
     thread.start()
     seen = first_version_while_running(dest, thread)
@@ -128,7 +128,7 @@ def test_a_store_that_fills_up_mid_run_keeps_the_version_before_newest_and_names
 
     def run() -> None:
         try:
-            outcome["result"] = runner.run(jobs.durable_job, steps=8, pause=1.0)
+            outcome["result"] = runner.run(jobs.durable_job, steps=8, pause=0.5)
         except Exception as err:  # noqa: BLE001 - what the user sees is the point
             outcome["error"] = err
 

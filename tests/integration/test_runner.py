@@ -240,7 +240,7 @@ def test_reference_string_runs_and_a_bad_one_fails_early(spark):
 def test_np_larger_than_the_slots_fails_within_start_timeout_naming_the_slots(spark):
     started = time.monotonic()
     with pytest.raises(HorovodRunError, match="the cluster has 2"):
-        HorovodRunner(3, spark=spark, start_timeout=3).run(jobs.allreduce_job)
+        HorovodRunner(3, spark=spark, start_timeout=1).run(jobs.allreduce_job)
     assert time.monotonic() - started < 15
 
 

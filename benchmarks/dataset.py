@@ -223,7 +223,8 @@ def compare(spark, rows: int, rounds: int, batch_size: int, epochs: int, work: P
             Path(local_file % rank).unlink(missing_ok=True)
         subprocess.run([sys.executable, "-c", SPLIT_SCRIPT, str(table), local_file, "2", str(batch_size)], check=True)
 
-    split()
+    if not fresh:
+        split()  # once: every anchor run reads these
     run_runner(spark, table, 2, batch_size)  # warm-up, untimed
     runner_results, anchor_results, ratios = [], [], []
     for i in range(rounds):

@@ -225,8 +225,9 @@ class FramedConnection:
     def send_file(self, file: BinaryIO, offset: int, size: int, scratch: memoryview) -> None:
         """One frame whose body is ``size`` bytes of the open ``file`` from ``offset``. The tag is
         computed over the file read a ``scratch``-sized piece at a time (one piece in user space at
-        once), then the kernel sends the file's pages itself (``sendfile``): the send needs no copy. A file rewritten in place
-        between the two fails the receiver's check, so the transfer; one that shrank is an ``OSError``."""
+        once), then the kernel sends the file's pages itself (``sendfile``): the send needs no copy.
+        A file rewritten in place between the two fails the receiver's check, so the transfer; one
+        that shrank is an ``OSError``."""
         with self._send_lock:
             mac = self._mac_by_pieces(self._SEND, self._send_seq)
             done = 0

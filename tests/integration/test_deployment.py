@@ -193,7 +193,7 @@ def test_mark_failed_and_execution_timeout_store_rank_0s_checkpoint_as_cancelled
     final = ti["try_number"]
     tries = {n: api.log(dag_id, run_id, "until_timeout", n) for n in range(1, final + 1)}
     assert ti["state"] == "success" and final in (2, 3), "until_timeout ended %s after %d tries:\n%s" % (
-        ti["state"], final, "\n".join(log[-2000:] for log in tries.values()))
+        ti["state"], final, "\n".join(text[-2000:] for text in tries.values()))
     assert api.xcom(dag_id, run_id, "until_timeout") == {"resumed_step": 7}
     assert all("Process timed out" in tries[n] for n in range(1, final))
     timed_out = airflow_deployment.artifact_folder(dag_id, run_id, "until_timeout", final - 1)

@@ -5,7 +5,7 @@ package, ``initdb`` + ``pg_ctl`` in a temporary folder) as the metadata database
 Airflow 3 processes with the LocalExecutor in a temporary ``AIRFLOW_HOME``. Tests talk to it only
 through the public REST API, as the UI does (:class:`Api`: a bearer token from ``/auth/token``).
 
-Use it through the ``airflow_deployment`` fixture (``tests/integration/conftest.py``), or build
+Use it through the ``airflow_deployment`` fixture (``tests/integration/on_deployment/conftest.py``), or build
 your own::
 
     with Deployment.start(tmp_path, dag_files=[...]) as airflow:

@@ -1,6 +1,6 @@
 """Durable checkpoints on real Horovod ranks: every checkpoint rank 0 completes is committed as a
 version while training runs, so a run that is killed keeps them and the next one resumes from the
-newest (``HorovodRunner(np, artifact_dir=...)``; the Airflow side is in ``test_deployment.py``)."""
+newest (``HorovodRunner(np, artifact_dir=...)``; the Airflow side is in ``on_deployment/test_deployment.py``)."""
 
 from __future__ import annotations
 

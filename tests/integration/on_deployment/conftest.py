@@ -1,4 +1,7 @@
-"""Fixtures of the integration tests: the real Airflow deployment (one per test session)."""
+"""The real Airflow deployment and the browser logged in to it, for the tests of this package only:
+they are package-scoped, so the deployment (PostgreSQL, four Airflow services, a four-worker Spark
+cluster, Chromium) is torn down as soon as the package's last test ends instead of taking CPU from
+the rest of the suite."""
 
 from __future__ import annotations
 
@@ -23,11 +26,11 @@ SHARED_SPARK_CONN_ID = "spark_shared"
 PATH_PREFIX = "/airflow"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def airflow_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     """PostgreSQL + API server + scheduler + DAG processor + triggerer (LocalExecutor), with the
     example DAGs and ``tests/integration/deployment_dags/``, and a Spark standalone cluster behind the
-    ``spark_shared`` connection; torn down at the end of the session. The UI and the APIs are served
+    ``spark_shared`` connection; torn down after the package's last test. The UI and the APIs are served
     under ``/airflow`` (``[api] base_url``), as behind a reverse proxy: every test that talks to the
     deployment, the browser's included, goes through that prefix."""
     # The cluster's JVMs start while the deployment does (its URL is known before it listens).
@@ -43,8 +46,8 @@ def airflow_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dep
         cluster.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser(airflow_deployment: Deployment, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """One headless Chromium for the session, logged in to the deployment as the admin."""
+    """One headless Chromium for the package, logged in to the deployment as the admin."""
     yield from logged_in_browser(airflow_deployment.base_url, airflow_deployment.password,
                                  tmp_path_factory.mktemp("browser"))

@@ -1,6 +1,6 @@
 """The provider on a real Airflow deployment, driven only through the REST API, as the UI does.
 
-One deployment per test session (``airflow_deployment``: PostgreSQL, API server, scheduler, DAG
+One deployment for this package's tests (``airflow_deployment``: PostgreSQL, API server, scheduler, DAG
 processor, triggerer, LocalExecutor); each task runs an embedded ``local[2]`` Spark with real
 Horovod ranks and mpirun or Gloo. Each test asserts what a user would look at: task states and
 tries, XComs, the task log, the stored artifacts, and that no rank, ``orted`` or ``mpirun`` is left.
@@ -294,6 +294,7 @@ def _ctx(proc: psutil.Process) -> tuple[str | None, str | None, str | None]:
 def test_two_runs_at_once_and_a_mapped_task_on_one_spark_cluster_keep_their_artifacts_apart(airflow_deployment: Deployment):
     api = airflow_deployment.api
     dag_id = "hvd_deploy_many"
+    api.wait_dags([dag_id])  # parsed already when the whole file runs; this test also runs alone
     runs = [api.trigger(dag_id), api.trigger(dag_id)]
     for run_id in runs:
         assert api.wait_run(dag_id, run_id, timeout=600) == "success"

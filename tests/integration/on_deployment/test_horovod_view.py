@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.integration.browser import BROWSER_WAIT_S, save_screenshot
-from tests.integration.conftest import NO_DAG_ACCESS_USER, PATH_PREFIX
+from tests.integration.on_deployment.conftest import NO_DAG_ACCESS_USER, PATH_PREFIX
 from tests.integration.deployment import Deployment
 
 pytestmark = [pytest.mark.slow]

@@ -130,7 +130,9 @@ def test_a_writer_faster_than_the_link_is_coalesced_and_rank_0_holds_at_most_two
              and (versions.committed(r.artifacts)[-1][1] / "model.pt").read_bytes()[:1] == bytes([39]))
     assert slow.is_set()
     assert r.committed()[-1].seq < 40  # coalesced: not one version per write
-    assert peak[0] <= 2 * size  # the live checkpoint and at most the one in flight
+    # the live checkpoint and at most the one in flight; the version being built also holds its
+    # marker, a few bytes of JSON (a sample taken then read 2 * size + 64 in one CI run)
+    assert peak[0] <= 2 * size + 4096
     assert not list((r.task.path).glob(names.COMMITS_DIR + "/*"))
 
 

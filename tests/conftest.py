@@ -10,6 +10,8 @@ import uuid
 import psutil
 import pytest
 
+from tests import jvm
+
 # Every process this test session starts (executors, ranks, orted) inherits this marker, so the
 # leftover checks below see only our own processes, not those of another session on the machine.
 TEST_SESSION = os.environ.setdefault("HVDRUNNER_TEST_SESSION", uuid.uuid4().hex)
@@ -17,11 +19,11 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-# Every Spark driver JVM of the suite (the embedded sessions, `airflow dags test`, the deployment's
-# tasks, the subprocess tests) compiles with the client compiler only: its JVMs live seconds, and
-# the server compiler's background work took the 2 cores from the ranks. A local[2] session plus one
-# barrier job: 15.3-17.3 s -> 13.8-14.1 s (helper benchmark, load ~2). No behaviour depends on it.
-os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Every Spark JVM of the suite starts with ``tests/jvm.py``'s options (set before any starts)."""
+    os.environ.update(jvm.environment())
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pyspark
 
+from tests import jvm
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -103,6 +105,7 @@ class StandaloneCluster:
 
     def app_conf(self) -> dict[str, str]:
         return {
+            **jvm.executor_conf(),
             "spark.executor.cores": "1",
             "spark.executor.memory": "768m",
             "spark.cores.max": str(self.n_workers),

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import psutil
 
+from tests import jvm
 from tests.integration.cluster import stop_process_groups
 
 PREFIX = "hvdtb"
@@ -406,6 +407,7 @@ class BedCluster:
     def app_conf(self) -> dict[str, str]:
         """What an application on the bed needs: executors of ``cores`` cores, the driver on its host."""
         return {
+            **jvm.executor_conf(),
             "spark.driver.host": self.bed.driver.address,
             "spark.driver.bindAddress": self.bed.driver.address,
             "spark.driver.port": "7078",

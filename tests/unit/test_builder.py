@@ -136,27 +136,18 @@ def test_a_first_build_on_a_new_machine_makes_the_cache_folder_its_log_goes_in(m
     builder.build(("torch",))
     assert logs and logs[0].parent == tmp_path / "new-cache" / "wheels" and logs[0].read_text() == "pip wheel ..."
 
-CHECK_BUILD = """Horovod v0.28.1:
-
-Available Frameworks:
-    [ ] TensorFlow
-    [X] PyTorch
-    [ ] MXNet
-
-Available Controllers:
-    [X] MPI
-    [ ] Gloo
-
-Available Tensor Operations:
-    [X] MPI
-    [X] Gloo
-"""
+def test_what_each_extension_lacks_is_named_per_framework_and_controller():
+    assert builder.lacks({"torch": {"MPI": True, "Gloo": False}}) == ["Gloo (PyTorch)"]
+    assert builder.lacks({"torch": {"MPI": True, "Gloo": True}, "tensorflow": "ImportError: libtensorflow"}) == ["TensorFlow"]
+    assert builder.lacks({"torch": {"MPI": True, "Gloo": True}, "tensorflow": {"MPI": True, "Gloo": True}}) == []
 
 
-def test_check_build_report_is_read_per_framework_and_controller():
-    assert builder.check_build_lacks(CHECK_BUILD, ("torch",)) == ["Gloo"]
-    assert builder.check_build_lacks(CHECK_BUILD, ("torch", "tensorflow")) == ["TensorFlow", "Gloo"]
-    assert builder.check_build_lacks(CHECK_BUILD.replace("[ ]", "[X]"), ("torch", "tensorflow")) == []
+def test_an_extension_that_does_not_load_fails_the_check_with_its_error_and_the_fix(monkeypatch):
+    monkeypatch.setitem(builder.EXTENSIONS, "torch", "horovod.no_such_extension")  # a real process fails to import it
+    with pytest.raises(HorovodBuildError) as failed:
+        builder.verify(("torch",))
+    assert "lacks PyTorch" in str(failed.value) and "No module named 'horovod.no_such_extension'" in str(failed.value)
+    assert "Rebuild it: airflow-horovod build" in str(failed.value)
 
 
 def test_build_environment_asks_for_exactly_the_frameworks():

@@ -3,8 +3,9 @@ own with only the base dependencies (no torch, no Horovod, no TensorFlow) import
 package, parses the example DAGs, serves the Horovod view's page, and a job there fails before Spark
 starts with the command that installs the training stack.
 
-The virtualenv is made with uv from a cache outside the repository (seconds once cached; a first
-run downloads the ~140 base packages once).
+The virtualenv is made once with uv and kept in the cache outside the repository
+(``venvs.cached_venv``, keyed by ``pyproject.toml`` and ``constraints.txt``; a first run downloads the
+~140 base packages once); each run installs this checkout into it again, editable and alone.
 """
 
 from __future__ import annotations
@@ -12,17 +13,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.integration import venvs
+
 pytestmark = [pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("AIRFLOW_PROVIDER_HOROVOD_CACHE", Path.home() / ".cache" / "airflow-provider-horovod"))
-UV = str(Path(sys.executable).with_name("uv"))
+REPO = venvs.REPO
 INSTALL_HINT = "pip install 'airflow-provider-horovod[torch]' then airflow-horovod build"
 
 CHECK = """
@@ -43,25 +43,20 @@ print(json.dumps({"absent": [m for m in ("torch", "horovod", "tensorflow") if im
 """
 
 
-def make_light_venv(where: Path) -> Path:
-    """A virtualenv with this checkout and only its base dependencies, pinned by constraints.txt."""
-    env = {**os.environ, "UV_CACHE_DIR": str(CACHE / "uv")}
-    subprocess.run([UV, "venv", "-q", "--python", sys.executable, str(where)], check=True, env=env, timeout=120)
-    install = [UV, "pip", "install", "-q", "--python", str(where / "bin" / "python"), "-c",
-               str(REPO / "constraints.txt"), "-e", str(REPO)]
-    # uv's cache is complete after one run; offline it never revalidates (the index's answers can
-    # change between runs, which would make it download and build PySpark again)
-    if subprocess.run([*install, "--offline"], env=env, capture_output=True, timeout=600).returncode != 0:
-        subprocess.run(install, check=True, env=env, timeout=900)
-    return where / "bin"
+def make_light_venv(python: Path) -> None:
+    """Only the base dependencies, pinned by constraints.txt (the checkout comes and goes: ``light_venv``)."""
+    venvs.uv_install(python, "--compile-bytecode", "-c", str(REPO / "constraints.txt"), "-e", str(REPO))
 
 
 @pytest.fixture(scope="module")
-def light_venv(tmp_path_factory):
+def light_venv():
     started = time.monotonic()
-    bin_dir = make_light_venv(tmp_path_factory.mktemp("light") / "venv")
-    print("light virtualenv made in %.1f s" % (time.monotonic() - started))
-    return bin_dir
+    keyed_by = [(REPO / "pyproject.toml").read_bytes(), (REPO / "constraints.txt").read_bytes()]
+    with venvs.cached_venv("light-venv", keyed_by, make_light_venv) as python:
+        # this checkout, not the one that made the venv (the package alone, editable: its entry points too)
+        venvs.uv_install(python, "--no-deps", "--reinstall-package", "airflow-provider-horovod", "-e", str(REPO))
+        print("light virtualenv ready in %.1f s" % (time.monotonic() - started))
+        yield python.parent
 
 
 def airflow_env(bin_dir: Path, home: Path, dags: Path) -> dict[str, str]:

@@ -7,11 +7,8 @@ file), so nothing else is installed twice. That virtualenv is made once and kept
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import importlib.metadata
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_light_install import CACHE, REPO, UV
+from tests.integration import venvs
 
 pytestmark = [pytest.mark.slow]
 
+REPO = venvs.REPO
 LOWEST = REPO / "constraints-lowest.txt"
-MADE = ".made-by-the-suite"  # written last: a venv without it was cut off while being made
 # what runs under the lowest versions: every unit test, a job per launcher, a DAG run by `airflow dags test`
 UNDER_LOWEST = [
     "tests/unit",
@@ -42,23 +39,10 @@ def pins() -> dict[str, str]:
 
 @contextlib.contextmanager
 def lowest_venv() -> Iterator[Path]:
-    """The lowest versions' virtualenv, made once per ``constraints-lowest.txt``, base Python and uv
-    and kept in the cache, outside the repository, with its bytecode compiled (this machine sets
-    ``PYTHONDONTWRITEBYTECODE``: without it every process of the run below compiles Airflow and
-    PySpark again). It sees the running suite's virtualenv behind its own packages; held under a
-    lock, as that ``.pth`` file is this suite's while the run lasts. Yields its ``python``."""
-    uv_version = subprocess.run([UV, "--version"], check=True, capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([LOWEST.read_bytes(), sys.base_prefix.encode(), sys.version.encode(),
-                                     uv_version.encode()])).hexdigest()[:12]
-    where = CACHE / ("lowest-venv-%s" % key)
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / "lowest-venv.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        python = where / "bin" / "python"
-        if not (where / MADE).exists():  # never made, or cut off while being made
-            shutil.rmtree(where, ignore_errors=True)
-            make_lowest_venv(where)
-            (where / MADE).write_text(uv_version)
+    """The lowest versions' virtualenv, made once per ``constraints-lowest.txt`` and kept in the cache
+    (``venvs.cached_venv``), seeing the running suite's virtualenv behind its own packages (a ``.pth``
+    file, this run's while it holds the lock). Yields its ``python``."""
+    with venvs.cached_venv("lowest-venv", [LOWEST.read_bytes()], make_lowest_venv) as python:
         site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                    check=True, capture_output=True, text=True).stdout.strip())
         # the suite's packages behind this venv's own (addsitedir also runs their .pth files: the editable install)
@@ -66,13 +50,8 @@ def lowest_venv() -> Iterator[Path]:
         yield python
 
 
-def make_lowest_venv(where: Path) -> None:
-    env = {**os.environ, "UV_CACHE_DIR": str(CACHE / "uv")}
-    subprocess.run([UV, "venv", "-q", "--python", sys.executable, str(where)], check=True, env=env, timeout=120)
-    install = [UV, "pip", "install", "-q", "--python", str(where / "bin" / "python"), "--compile-bytecode", "--no-deps",
-               "-r", str(LOWEST)]
-    if subprocess.run([*install, "--offline"], env=env, capture_output=True, timeout=600).returncode != 0:
-        subprocess.run(install, check=True, env=env, timeout=900)
+def make_lowest_venv(python: Path) -> None:
+    venvs.uv_install(python, "--compile-bytecode", "--no-deps", "-r", str(LOWEST))
 
 
 def test_the_lowest_supported_versions_pass_the_unit_tests_a_job_per_launcher_and_a_dag_run():

@@ -27,7 +27,7 @@ from pathlib import Path
 HOROVOD_VERSION = "0.28.1"
 TENSORFLOW = "tensorflow"
 FRAMEWORKS = ("torch", TENSORFLOW)
-CHECK_BUILD_NAMES = {"torch": "PyTorch", TENSORFLOW: "TensorFlow"}
+FRAMEWORK_NAMES = {"torch": "PyTorch", TENSORFLOW: "TensorFlow"}
 EXTENSIONS = {"torch": "horovod.torch", TENSORFLOW: "horovod.tensorflow"}
 CONTROLLERS = ("MPI", "Gloo")
 # Run in a process of its own per framework: load the extension, ask it what it was built with.
@@ -237,8 +237,8 @@ def built_with(frameworks: tuple[str, ...]) -> dict[str, dict[str, bool] | str]:
 def lacks(found: dict[str, dict[str, bool] | str]) -> list[str]:
     """What ``built_with``'s answer lacks: each framework whose extension did not load, then each
     controller an extension was built without ("PyTorch", "Gloo (TensorFlow)")."""
-    missing = [CHECK_BUILD_NAMES[f] for f, got in found.items() if isinstance(got, str)]
-    return missing + ["%s (%s)" % (c, CHECK_BUILD_NAMES[f]) for f, got in found.items() if isinstance(got, dict)
+    missing = [FRAMEWORK_NAMES[f] for f, got in found.items() if isinstance(got, str)]
+    return missing + ["%s (%s)" % (c, FRAMEWORK_NAMES[f]) for f, got in found.items() if isinstance(got, dict)
                       for c in CONTROLLERS if not got.get(c)]
 
 
@@ -248,10 +248,10 @@ def verify(frameworks: tuple[str, ...]) -> str:
     found = built_with(frameworks)
     missing = lacks(found)
     if missing:
-        why = "".join("\n%s: %s" % (CHECK_BUILD_NAMES[f], got) for f, got in found.items() if isinstance(got, str))
+        why = "".join("\n%s: %s" % (FRAMEWORK_NAMES[f], got) for f, got in found.items() if isinstance(got, str))
         raise HorovodBuildError("The installed Horovod lacks %s%s\nRebuild it: airflow-horovod build%s"
                                 % (", ".join(missing), why, " --with tensorflow" if TENSORFLOW in frameworks else ""))
-    return "Horovod %s: %s, each with %s\n" % (HOROVOD_VERSION, ", ".join(CHECK_BUILD_NAMES[f] for f in frameworks),
+    return "Horovod %s: %s, each with %s\n" % (HOROVOD_VERSION, ", ".join(FRAMEWORK_NAMES[f] for f in frameworks),
                                                " and ".join(CONTROLLERS))
 
 

@@ -136,6 +136,7 @@ def test_a_first_build_on_a_new_machine_makes_the_cache_folder_its_log_goes_in(m
     builder.build(("torch",))
     assert logs and logs[0].parent == tmp_path / "new-cache" / "wheels" and logs[0].read_text() == "pip wheel ..."
 
+
 def test_what_each_extension_lacks_is_named_per_framework_and_controller():
     assert builder.lacks({"torch": {"MPI": True, "Gloo": False}}) == ["Gloo (PyTorch)"]
     assert builder.lacks({"torch": {"MPI": True, "Gloo": True}, "tensorflow": "ImportError: libtensorflow"}) == ["TensorFlow"]

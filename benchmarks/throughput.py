@@ -1,4 +1,4 @@
-"""Training throughput under ``HorovodRunner`` vs bare ``horovodrun``: images/s per rank, np=2, CPU.
+"""Training throughput under ``HorovodRunner`` vs bare ``horovodrun`` (or ``torchrun``): images/s per rank, np=2, CPU.
 
 Run it by hand from the repository root (it is a benchmark, not a test)::
 
@@ -18,6 +18,12 @@ oversubscribe 2 cores. The contenders are
   dir, holding the same ``train`` source), with the same launcher as the runner;
 * ``HorovodRunner(2, spark=spark).run(train, ...)`` on a warm ``local[2]`` SparkSession, with the
   default launcher (mpirun); ``--launcher gloo`` for the other one.
+
+``--launcher torch`` runs ``train_ddp`` (the same CNN and data in ``DistributedDataParallel``, no Horovod)
+under ``HorovodRunner(2, launcher="torch")`` against ``torchrun --standalone --nproc-per-node 2`` of the same
+function (target >= 0.98, issue 34)::
+
+    .venv/bin/python benchmarks/throughput.py --launcher torch --rounds 5
 
 They alternate for ``--rounds`` rounds (after one untimed warm-up run each); the script prints the
 median per-rank images/s of each and the ratio runner/horovodrun against the target (>= 0.98).
@@ -155,6 +161,78 @@ def train(steps=100, warmup=10, batch_size=32, seed=1234, threads=1, report=Fals
     return result
 
 
+def train_ddp(steps=100, warmup=10, batch_size=32, seed=1234, threads=1):
+    """``train``'s CNN and data, written for torchrun: ``init_process_group("gloo")`` from torch's
+    environment and ``DistributedDataParallel`` (no Horovod); returns every rank's images/s."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed + rank)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 16, 3, 1)
+            self.conv2 = nn.Conv2d(16, 32, 3, 1)
+            self.fc1 = nn.Linear(32 * 12 * 12, 64)
+            self.fc2 = nn.Linear(64, 10)
+
+        def forward(self, x):
+            x = F.relu(self.conv1(x))
+            x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+            x = F.relu(self.fc1(torch.flatten(x, 1)))
+            return F.log_softmax(self.fc2(x), dim=1)
+
+    n = 16 * batch_size
+    images = torch.randn(n, 1, 28, 28)
+    labels = torch.randint(0, 10, (n,))
+    model = DistributedDataParallel(Net())  # broadcasts rank 0's parameters
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
+
+    def step(i):
+        lo = (i % 16) * batch_size
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(images[lo : lo + batch_size]), labels[lo : lo + batch_size])
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    model.train()
+    for i in range(warmup):
+        step(i)
+    dist.barrier()  # start the clock together
+    t0 = time.perf_counter()
+    for i in range(steps):
+        loss = step(warmup + i)
+    rate = steps * batch_size / (time.perf_counter() - t0)
+    rates = [None] * size
+    dist.all_gather_object(rates, rate)
+    dist.destroy_process_group()
+    return {"rates": rates, "size": size, "loss": float(loss.item()), "steps": steps, "batch_size": batch_size}
+
+
+SCRIPT_DDP = '''\
+import json, os, sys
+
+
+{source}
+
+if __name__ == "__main__":
+    result = train_ddp(**json.loads(sys.argv[2]))
+    if os.environ["RANK"] == "0":
+        with open(sys.argv[1], "w") as f:
+            json.dump(result, f)
+'''
+
+
 SCRIPT = '''\
 import json, sys
 
@@ -185,7 +263,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100, help="timed training steps per run (default 100)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before the clock starts (default 10)")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--launcher", choices=("mpirun", "gloo"), default="mpirun", help="HorovodRunner's launcher")
+    parser.add_argument("--launcher", choices=("mpirun", "gloo", "torch"), default="mpirun",
+                        help="HorovodRunner's launcher; torch: a DDP body (train_ddp) against bare torchrun")
     parser.add_argument("--mode", choices=("horovodrun", "report", "interleaved"), default="horovodrun",
                         help="compare with bare horovodrun (default); runtime.report every step with none, as two "
                              "runs (report) or as alternating blocks of steps inside each run (interleaved)")
@@ -196,6 +275,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be >= 1")
+    if args.launcher == "torch" and (args.mode != "horovodrun" or args.report):
+        parser.error("--launcher torch compares with bare torchrun only (no --mode report/interleaved, no --report)")
     return args
 
 
@@ -302,24 +383,31 @@ def main() -> int:
     print("SparkSession local[2] up; Python %s; %d CPUs; %s" % (sys.version.split()[0], os.cpu_count(), kwargs))
     print_load("at the start")
 
+    torch = args.launcher == "torch"
+    body = train_ddp if torch else train
     with tempfile.TemporaryDirectory(prefix="hvd-throughput-bench-") as tmp:
         script = Path(tmp) / "train.py"
-        script.write_text(SCRIPT.format(source=textwrap.dedent(inspect.getsource(train))))
+        script.write_text((SCRIPT_DDP if torch else SCRIPT).format(source=textwrap.dedent(inspect.getsource(body))))
         out = Path(tmp) / "result.json"
 
         def horovodrun() -> dict:
             out.unlink(missing_ok=True)
-            cmd = [HOROVODRUN, "-np", str(NP), "-H", "localhost:%d" % NP, "--mpi" if args.launcher == "mpirun" else "--gloo",
-                   sys.executable, str(script), str(out), json.dumps(kwargs)]
+            if torch:  # the anchor of launcher="torch": bare torchrun on this machine
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NP),
+                       str(script), str(out), json.dumps(kwargs)]
+            else:
+                cmd = [HOROVODRUN, "-np", str(NP), "-H", "localhost:%d" % NP, "--mpi" if args.launcher == "mpirun" else "--gloo",
+                       sys.executable, str(script), str(out), json.dumps(kwargs)]
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if proc.returncode != 0:
-                raise RuntimeError("horovodrun exited with %d:\n%s" % (proc.returncode, proc.stdout[-3000:]))
+                raise RuntimeError("%s exited with %d:\n%s" % (cmd[0], proc.returncode, proc.stdout[-3000:]))
             return json.loads(out.read_text())
 
         def runner(report: bool = False) -> dict:
+            extra = {"report": report} if not torch else {}
             try:
                 return HorovodRunner(NP, launcher=args.launcher, spark=spark, driver_log_verbosity="log_callback_only",
-                                     on_report=lambda _report: None).run(train, report=report, **kwargs)
+                                     on_report=lambda _report: None).run(body, **extra, **kwargs)
             except RunCancelledError as err:  # our own SIGTERM/Ctrl-C, turned into a cancel by the runner
                 raise KeyboardInterrupt from err
 
@@ -331,7 +419,8 @@ def main() -> int:
                      "reporting": "  + runtime.report each step"}
         else:
             contenders = {"horovodrun": horovodrun, "runner": lambda: runner(report=args.report)}
-            names = {"horovodrun": "horovodrun -np 2 --%s" % ("mpi" if args.launcher == "mpirun" else "gloo"),
+            names = {"horovodrun": "torchrun --nproc-per-node 2" if torch else
+                     "horovodrun -np 2 --%s" % ("mpi" if args.launcher == "mpirun" else "gloo"),
                      "runner": "HorovodRunner(2) %s%s" % (args.launcher, " + report" if args.report else "")}
         rates: dict[str, list[list[float]]] = {n: [] for n in contenders}
 

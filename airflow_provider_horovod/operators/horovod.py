@@ -66,7 +66,8 @@ class HorovodRunnerOperator(BaseOperator):
     :param op_kwargs: keyword arguments for ``training_callable``. (templated)
     :param spark_conn_id: a ``spark`` or ``spark_connect`` connection; when ``spark_default`` is
         not defined, an embedded ``local[2]`` Spark runs inside the task. (templated)
-    :param launcher: ``"mpirun"`` (default) or ``"gloo"``.
+    :param launcher: ``"mpirun"`` (default), ``"gloo"`` or ``"torch"`` (torch.distributed's own
+        contract, as torchrun sets it: unmodified DDP, FSDP or ``accelerate`` code, no Horovod needed).
     :param driver_log_verbosity: ``"all"`` (default) or ``"log_callback_only"``.
     :param timeline: record a Horovod timeline on rank 0 and store it.
     :param artifact_root: where artifacts go (any ObjectStoragePath URL); defaults to

@@ -293,6 +293,7 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
  <p><img id="timeline-picture" alt="Horovod timeline of try {{ selected.number }}" src="{{ url('tries', selected.number|string, 'timeline.svg') }}"></p>
  <p><a id="timeline-download" href="{{ url('tries', selected.number|string, 'files', timeline) }}" download>Download {{ timeline }}</a>
  <span class="muted">— open it in <a href="https://ui.perfetto.dev" target="_blank" rel="noopener">Perfetto</a> or <code>chrome://tracing</code> for every event.</span></p>
+{% elif facts.launcher == "torch" %}<p class="muted" id="no-timeline">This try ran with <code>launcher="torch"</code>, which runs no Horovod: there is no Horovod timeline (profile with <code>torch.profiler</code> and save its trace under <code>runtime.checkpoint_dir()</code>).</p>
 {% else %}<p class="muted" id="no-timeline">No timeline was stored for this try (run the task with <code>timeline=True</code>).</p>{% endif %}
 </section>
 <section><h2>Checkpoints</h2>

@@ -1,9 +1,10 @@
 """What each Spark barrier task runs, in named phases: report, plan, prepare, start, run, finish.
+What the task serves and starts for its launcher is the launcher's (``launchers/``).
 
 The driver coordinates the phases over its channel (``ChannelCoordinator``): no Spark
 ``allGather``/``barrier`` (which poll once a second) sits on the critical path. Only when the
 executors cannot reach the driver does Spark's ``allGather`` coordinate them (``SparkCoordinator``).
-The same host routine (``host.run_ranks``) runs on the driver for ``np < 0`` (``run_local``).
+The launcher's ``start_local`` runs the ranks on the driver for ``np < 0`` (``run_local``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import traceback
 from collections.abc import Iterable
 from typing import Any
@@ -28,19 +28,15 @@ from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.host import (
     RunSpec,
     base_env,
-    exit_text,
-    hand_over_key,
     hand_over_rank_keys,
     missing_programs,
     rank_tails,
-    run_ranks,
-    tail,
     result_rows,
     upload_artifacts,
 )
+from airflow_provider_horovod.runner.launchers import Services, launcher_of
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.network import LOOPBACK, Endpoint, endpoint_of, task_endpoint
-from airflow_provider_horovod.runner.options import Launcher
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan
 from airflow_provider_horovod.runner.shipper import ship_checkpoints
 from airflow_provider_horovod.runner.supervisor import PlanError
@@ -176,115 +172,29 @@ class SparkCoordinator:
         self.ctx.barrier()  # every task keeps its exec service until all ranks are done
 
 
-class TaskServices:
-    """What a barrier task serves to the others: the exec service (mpirun), the rendezvous (Gloo, partition 0)."""
-
-    def __init__(self, spec: RunSpec, partition: int, executor: str, address: str, task: TaskDir,
-                 env: dict[str, str], client: ChannelClient) -> None:
-        from airflow_provider_horovod.runner.mpi import ExecService
-
-        self.exec_service = self.rendezvous = self._hnp_port = None
-        if spec.launcher == Launcher.MPIRUN and partition == 0:
-            self._hnp_port = socket.socket()  # held (bound) until mpirun is about to listen on it
-            self._hnp_port.bind((address, 0))
-        if spec.launcher == Launcher.MPIRUN:
-            def on_launch(_argv: list[str]) -> None:
-                client.send(messages.Event("orted-launched", partition=partition, executor=executor))
-
-            self.exec_service = ExecService(address, spec.secret, env, os.getpid(), on_launch, log_path=task.orted_log)
-        if spec.launcher == Launcher.GLOO and partition == 0:
-            from airflow_provider_horovod.runner.gloo import Rendezvous  # Horovod's server: imports Horovod
-
-            self.rendezvous = Rendezvous(address, spec.secret)
-
-    @property
-    def hnp_port(self) -> int:
-        return self._hnp_port.getsockname()[1] if self._hnp_port is not None else 0
-
-    def release_hnp_port(self) -> None:
-        """Just before mpirun starts: let it take the port the plan pins (``mpi.check_orted``)."""
-        if self._hnp_port is not None:
-            self._hnp_port.close()
-
-    def close(self) -> None:
-        self.release_hnp_port()
-        if self.exec_service is not None:
-            self.exec_service.close()
-        if self.rendezvous is not None:
-            self.rendezvous.stop()
-
-
 def task_facts(ctx, spec: RunSpec, partition: int, executor: str, endpoint: Endpoint, task: TaskDir,
-               services: TaskServices) -> TaskFacts:
+               services: Services) -> TaskFacts:
     resources = ctx.resources()
     return TaskFacts(
         partition=partition, executor=executor, address=endpoint.address, pid=os.getpid(), task_dir=str(task.path),
         python=platform.python_version(), gpus=tuple(resources["gpu"].addresses) if "gpu" in resources else (),
-        service_port=services.exec_service.port if services.exec_service else 0,
-        rendezvous_port=services.rendezvous.port if services.rendezvous else 0, hnp_port=services.hnp_port,
-        iface=endpoint.iface, network=endpoint.network, missing=missing_programs(spec), **stack_of_this_host(),
+        iface=endpoint.iface, network=endpoint.network, missing=missing_programs(spec), **services.ports(),
+        **stack_of_this_host(),
     )
 
 
-def prepare(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: TaskServices,
+def prepare(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: Services,
             batches: Iterable[Any] = ()) -> None:
     """Before any rank starts: the plan on disk, this task's partition of the dataset spilled for its
-    rank, resume_from on this host, the rendezvous told the plan."""
+    rank, resume_from on this host, the launcher's services told the plan."""
     task.plan.write_text(plan.to_json())
     if spec.dataset is not None:
         spill(batches, task.dataset, spec.dataset, partition)
     slot = plan.for_partition(partition)
     hand_over_rank_keys(spec, [s for s in plan.slots if s.partition == partition])
-    if services.exec_service is not None:
-        services.exec_service.expect(plan, partition)
     if spec.has_resume and plan.host_leader(slot.hostname).partition == partition:
         fetch_resume(spec.channel, spec.secret, task.resume, partition)  # over the channel: the engine refuses resume_from without one
-    if services.rendezvous is not None:
-        services.rendezvous.init(plan)
-
-
-def wait_for_orted(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, services: TaskServices,
-                   client: ChannelClient) -> Failure | None:
-    """Under mpirun, the first task of every other host: wait until its ``orted`` ended (or the
-    driver says stop), so its report can say how that host's daemon ended."""
-    slot = plan.for_partition(partition)
-    if not client.connected or plan.host_leader(slot.hostname).partition != partition:
-        return None
-    service = services.exec_service
-    while not service.orted_ended.wait(0.2):
-        if client.stopped.is_set():
-            break
-    if not service.orted_code:
-        return None
-    how = exit_text(service.orted_code)
-    return Failure("orted on host %s (executor %s) %s" % (slot.hostname, slot.executor, how), host=slot.hostname,
-                   executor=slot.executor, exit=how, launcher_output=tuple(["-- orted on host %s:" % slot.hostname]
-                                                                          + tail(task.orted_log, 30)),
-                   consequence=True)
-
-
-def launch(spec: RunSpec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], services: TaskServices,
-           client: ChannelClient) -> Failure | None:
-    """This task's part of the run: its own Gloo rank, or (partition 0) mpirun for every host."""
-    from airflow_provider_horovod.runner.mpi import mpirun_argv
-
-    slot = plan.for_partition(partition)
-    if spec.launcher == Launcher.GLOO:
-        root = plan.slots[0]
-        return run_ranks(spec, plan, [slot], task, env, rendezvous=(root.address, root.rendezvous_port))
-    if partition != 0:
-        return wait_for_orted(spec, plan, partition, task, services, client)
-    leaders = {name: plan.host_leader(name) for name, _ in plan.hosts}
-    env = dict(env)
-    env[names.ENV_EXEC_SERVICES] = json.dumps({name: "%s:%d" % (s.address, s.service_port) for name, s in leaders.items()})
-    argv = mpirun_argv(plan, networks=plan.networks)
-    hand_over_key(task.exec_key, wire.role_key(spec.secret, wire.ROLE_EXEC))
-    services.release_hnp_port()
-    try:
-        return run_ranks(spec, plan, [slot], task, env, mpirun=argv)
-    finally:
-        with contextlib.suppress(OSError):
-            task.exec_key.unlink()
+    services.expect(plan, partition)
 
 
 def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, Any]]:
@@ -305,7 +215,8 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
     try:
         task.payload.write_bytes(spec.payload)
         env = base_env(spec, task)
-        services = TaskServices(spec, partition, executor, endpoint.address, task, env, client)
+        launcher = launcher_of(spec.launcher)
+        services = launcher.serve(spec, partition, executor, endpoint.address, task, env, client)
         plan: Plan | None = None
         failure: Failure | None = None
         try:
@@ -313,7 +224,7 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
             prepare(spec, plan, partition, task, services, batches)
             coordinator.ready(plan, spec)
             with ship_checkpoints(spec, task, rank0=partition == 0):
-                failure = launch(spec, plan, partition, task, env, services, client)
+                failure = launcher.start(spec, plan, partition, task, env, services, client)
         except Stopped:
             pass
         except Exception as err:  # noqa: BLE001 - with the channel, the driver hears it as this task's report
@@ -359,10 +270,6 @@ def spark_task(spec: bytes, batches: Iterable[Any]) -> Iterable[Any]:
 def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:
     """``np < 0``: ``np`` rank processes on the driver, no Spark job, in the folder ``task`` (removed
     at the end). Returns rank 0's pickled result."""
-    from airflow_provider_horovod.runner.gloo import Rendezvous
-    from airflow_provider_horovod.runner.mpi import mpirun_argv
-
-    rendezvous = None
     try:
         missing = missing_programs(spec)
         if missing:
@@ -377,19 +284,11 @@ def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:
         hand_over_rank_keys(spec, list(plan.slots))
         env = base_env(spec, task)
         with ship_checkpoints(spec, task, rank0=True):
-            if spec.launcher == Launcher.GLOO:
-                rendezvous = Rendezvous(LOOPBACK, spec.secret)
-                rendezvous.init(plan)
-                failure = run_ranks(spec, plan, list(plan.slots), task, env, rendezvous=(LOOPBACK, rendezvous.port))
-            else:
-                failure = run_ranks(spec, plan, list(plan.slots), task, env,
-                                    mpirun=mpirun_argv(None, np=np, networks=plan.networks))
+            failure = launcher_of(spec.launcher).start_local(spec, plan, task, env)
         uploaded = upload_artifacts(spec, task)
         failure = failure or uploaded
         if failure is not None:
             raise TaskFailure(failure.with_tail(rank_tails([s for s in plan.slots if s.rank == failure.rank]).get(str(failure.rank), [])))
         return task.result.read_bytes()
     finally:
-        if rendezvous is not None:
-            rendezvous.stop()
         shutil.rmtree(task.path, ignore_errors=True)

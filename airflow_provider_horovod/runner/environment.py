@@ -87,10 +87,16 @@ def stack_differences(driver: dict[str, str], executor: dict[str, str]) -> list[
             for key in labels if key in driver and executor.get(key) != driver[key]]
 
 
-def require_training_stack(launcher: Launcher) -> HorovodBuild:
+def require_training_stack(launcher: Launcher) -> HorovodBuild | None:
     """The Horovod build this driver runs the job with; ``TrainingStackError`` naming what is missing
-    and how to install it when there is none, or it cannot run ``launcher`` or any framework."""
+    and how to install it when there is none, or it cannot run ``launcher`` or any framework.
+    ``launcher="torch"`` needs torch only (and returns ``None``): no Horovod, no MPI."""
     python = sys.executable
+    if not Launcher(launcher).runs_horovod:
+        if importlib.util.find_spec("torch") is None:
+            raise TrainingStackError("launcher=%r needs torch, which is not installed in %s. Install it: pip install "
+                                     "'airflow-provider-horovod[torch]' (no Horovod build needed)." % (str(launcher), python))
+        return None
     build = horovod_build()
     if build is None:
         raise TrainingStackError("Horovod is not installed in %s: the driver plans the ranks with it and every "

@@ -1,5 +1,5 @@
 """What the executors need to run a barrier task: an interpreter with this package, cloudpickle and
-Horovod. A local master gets the driver's own; elsewhere the first thing a task does is check, and
+Horovod (torch, for ``launcher="torch"``). A local master gets the driver's own; elsewhere the first thing a task does is check, and
 an executor without them fails the run with one line that names its host, its interpreter and the fix.
 """
 
@@ -18,7 +18,7 @@ IMPORTED = ("airflow_provider_horovod.runner.barrier",)
 FOUND = ("cloudpickle", "horovod")
 MISSING_TEXT = (
     "The executor on host %s runs %s, which cannot import %s (%s). Give the executors an "
-    "interpreter with airflow-provider-horovod, cloudpickle and horovod installed, as on the driver: point "
+    "interpreter with airflow-provider-horovod, %s installed, as on the driver: point "
     "PYSPARK_PYTHON or spark.pyspark.python at it, ship a virtualenv with spark.archives, or use an executor "
     "image that has them (see docs/executors.md)."
 )
@@ -71,13 +71,22 @@ def python_of_workers(spark: Any) -> Iterator[None]:
         sc.pythonExec = before
 
 
-def task_entry(spec: bytes, marker: str, run: str) -> Callable[[Iterable[Any]], Iterable[Any]]:
+def needed_modules(runs_horovod: bool) -> tuple[str, ...]:
+    """What the ranks import besides this package: Horovod under mpirun and Gloo, torch under torch."""
+    return FOUND if runs_horovod else ("cloudpickle", "torch")
+
+
+def needs_text(found: tuple[str, ...]) -> str:
+    return "%s and %s" % (", ".join(found[:-1]), found[-1])
+
+
+def task_entry(spec: bytes, marker: str, run: str, found: tuple[str, ...] = FOUND) -> Callable[[Iterable[Any]], Iterable[Any]]:
     """The barrier stage's function. It is pickled by value and holds nothing of this package
     (``spec`` is the pickled ``RunSpec``), so Spark's worker unpickles it on any executor; the task
     then checks its imports before anything else and fails with ``MISSING_TEXT`` inside ``marker``
     (read by ``barrier.parse_failure``) when one is missing. ``run`` names the function of
-    ``runner.barrier`` that runs the task."""
-    imported, found, text = IMPORTED, FOUND, MISSING_TEXT
+    ``runner.barrier`` that runs the task; ``found``: the modules its ranks import (``needed_modules``)."""
+    imported, text, needs = IMPORTED, MISSING_TEXT, needs_text(found)
 
     def task(batches: Iterable[Any]) -> Iterable[Any]:
         import importlib
@@ -95,7 +104,7 @@ def task_entry(spec: bytes, marker: str, run: str) -> Callable[[Iterable[Any]], 
         except ImportError as err:
             host = socket.gethostname()
             python = "%s (Python %s)" % (sys.executable, platform.python_version())
-            message = text % (host, python, err.name or "a module", err)
+            message = text % (host, python, err.name or "a module", err, needs)
             raise RuntimeError(marker + json.dumps({"message": message, "host": host,
                                                     "exception": "%s: %s" % (type(err).__name__, err)}) + marker) from None
         yield from getattr(modules[0], run)(spec, batches)
@@ -107,7 +116,7 @@ LOST_TASK = re.compile(r"Lost task [\d.]+ in stage [\d.]+ \(TID \d+\) \((\S+) ex
 NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 
 
-def missing_module_text(error: str, python: str) -> str | None:
+def missing_module_text(error: str, python: str, found: tuple[str, ...] = FOUND) -> str | None:
     """``MISSING_TEXT`` for a Spark job that failed because Spark's own worker could not import a
     module before the task's check ran (pyspark, pyarrow); ``None`` for any other failure.
     ``python``: the interpreter the driver asked the workers to run."""
@@ -116,4 +125,4 @@ def missing_module_text(error: str, python: str) -> str | None:
         return None
     host = LOST_TASK.search(error)
     return MISSING_TEXT % (host.group(1) if host else "(unknown)", python, module.group(1),
-                           "No module named %r" % module.group(1))
+                           "No module named %r" % module.group(1), needs_text(found))

@@ -1,6 +1,7 @@
-"""What one host runs once it has the plan: the rank processes (Gloo) or ``mpirun``, and how a
-rank's exit is explained. Barrier tasks (``barrier.run_task``) and the driver's local ranks
-(``barrier.run_local``) share it.
+"""What every launcher's host side shares: the run's spec and base environment, the keys handed to
+the ranks, starting rank processes and explaining their exits, and handing rank 0's artifacts and
+result back. Barrier tasks (``barrier.run_task``) and the driver's local ranks (``barrier.run_local``)
+share it; what differs per launcher is in ``launchers/``.
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ import dataclasses
 import json
 import os
 import queue
-import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,12 @@ from airflow_provider_horovod.runner import names, procs, wire
 from airflow_provider_horovod.runner.dataset import DatasetSpec
 from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.keras_guard import LEGACY_KERAS_ENV
+from airflow_provider_horovod.runner.launchers import launcher_of
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, Launcher
-from airflow_provider_horovod.runner.plan import Plan, Slot, gloo_env
-from airflow_provider_horovod.runner.stall import stall_env
+from airflow_provider_horovod.runner.plan import Slot
 
 WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.worker"]
-OPEN_MPI_PROGRAMS = ("mpirun", "orted")  # what mpirun needs on every host's PATH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +59,13 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
     It holds no key: ranks and the rsh agent read theirs from a private file (``hand_over_key``),
     and none of the task's secrets (``names.is_secret_env``); the user's ``env=`` is passed as given.
 
-    The launcher's contract is what ``horovodrun`` gives that launcher: under mpirun, MPI says who
-    is which rank and no ``HOROVOD_RANK`` & co are set (see ``names``). Horovod's stall check is
-    set from ``stall_timeout`` under both launchers (an orted passes its environment to its ranks);
-    the user's ``env=`` may still set it otherwise.
+    The launcher adds its own (``host_env``: under mpirun, what ``horovodrun --mpi`` sets and
+    Horovod's stall check; an orted passes its environment to its ranks); the user's ``env=`` may
+    still set any of it otherwise. A rank's own contract comes from its launcher's ``slot_env``.
     """
     env = {k: v for k, v in os.environ.items()
            if k not in names.HOROVOD_RANK_CONTRACT and not names.is_secret_env(k)}
-    env.update(stall_env(spec.stall_timeout_s))
+    env.update(launcher_of(spec.launcher).host_env(spec))
     env.update(spec.env)
     # Keras 2 (tf-keras) for horovod.tensorflow.keras; TensorFlow reads it at its first import
     env.setdefault(LEGACY_KERAS_ENV, "1")  # the user's own value (driver, executor or env=) wins
@@ -77,7 +75,6 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
             names.ENV_PAYLOAD: str(task.payload),
             names.ENV_CHANNEL: "%s:%d" % spec.channel if spec.channel else "",
             names.ENV_VERBOSITY: spec.verbosity,
-            names.ENV_LAUNCHER: spec.launcher,
             names.ENV_TIMELINE: "1" if spec.timeline else "0",
             names.ENV_HAS_RESUME: "1" if spec.has_resume and not spec.resume_local else "0",
             "PYTHONUNBUFFERED": "1",
@@ -85,8 +82,6 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
     )
     if spec.resume_local:
         env[names.ENV_RESUME_DIR] = spec.resume_local
-    if spec.launcher == Launcher.MPIRUN:
-        env.update({"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi"})
     return env
 
 
@@ -144,8 +139,9 @@ def rank_exit_failure(slot: Slot, code: int, *, stopping: bool) -> Failure:
     )
 
 
-def run_gloo_ranks(spec: RunSpec, slots: list[Slot], rendezvous: tuple[str, int], env: dict[str, str]) -> Failure | None:
-    """Start one rank process per slot, wait for all; return the first failure, if any.
+def run_rank_processes(slots: list[Slot], env: dict[str, str], slot_env: Callable[[Slot], dict[str, str]]) -> Failure | None:
+    """Start one rank process per slot (``env`` plus its launcher's ``slot_env``), wait for all;
+    return the first failure, if any. Gloo and torch start their ranks so; mpirun has orted do it.
 
     The wait blocks in ``waitpid`` (one thread per rank): nothing on this host wakes up while the
     ranks train, and an exit is seen the moment it happens.
@@ -154,10 +150,7 @@ def run_gloo_ranks(spec: RunSpec, slots: list[Slot], rendezvous: tuple[str, int]
     ended: queue.Queue[tuple[Slot, subprocess.Popen, int]] = queue.Queue()
     try:
         for slot in slots:
-            rank_env = dict(env)
-            rank_env.update(gloo_env(rendezvous[0], rendezvous[1], slot.iface, spec.gloo_timeout_s,
-                                     wire.rendezvous_token(spec.secret)))
-            rank_env[names.ENV_RANK] = str(slot.rank)
+            rank_env = {**env, **slot_env(slot), names.ENV_RANK: str(slot.rank)}
             with TaskDir(slot.task_dir).rank_log(slot.rank).open("wb") as out:
                 proc = procs.spawn(WORKER, rank_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             running.append(proc)
@@ -173,10 +166,12 @@ def run_gloo_ranks(spec: RunSpec, slots: list[Slot], rendezvous: tuple[str, int]
                 procs.kill_tree(proc)
 
 
-def run_mpirun(argv: list[str], env: dict[str, str], watch_pid: int, out_path: Path) -> tuple[int, int]:
-    """Run ``mpirun`` under a reaper (it dies with ``watch_pid``); return its exit code and pid."""
+def run_reaped(argv: list[str], env: dict[str, str], out_path: Path) -> tuple[int, int]:
+    """Run a program with no watchdog of its own (``mpirun``) under a reaper that dies with this
+    process; its output to ``out_path``. Returns its exit code and pid."""
     with out_path.open("wb") as out:
-        proc = procs.spawn(procs.reaped(argv, watch_pid), env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = procs.spawn(procs.reaped(argv, os.getpid()), env, stdout=out, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL)
     try:
         return proc.wait(), proc.pid
     finally:
@@ -184,68 +179,9 @@ def run_mpirun(argv: list[str], env: dict[str, str], watch_pid: int, out_path: P
             procs.kill_tree(proc)
 
 
-_SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
-_PROCESS_NAME = re.compile(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]")
-_EXIT_CODE = re.compile(r"Exit code:\s*(-?\d+)")
-_ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+\s+with errorcode (-?\d+)")
-
-
-def parse_mpirun_exit(lines: list[str]) -> tuple[int, int] | None:
-    """(rank, exit code; negative: signal) of the first rank mpirun reports as failed, if it says."""
-    text = "\n".join(lines)
-    found = _SIGNALLED.search(text)
-    if found:
-        return int(found.group(1)), -int(found.group(2))
-    name, code = _PROCESS_NAME.search(text), _EXIT_CODE.search(text)
-    if name and code:
-        return int(name.group(1)), int(code.group(1))
-    aborted = _ABORTED.search(" ".join(lines))
-    if aborted:
-        return int(aborted.group(1)), int(aborted.group(2))
-    return None
-
-
-def mpirun_failure(plan: Plan, code: int, task: TaskDir, *, stopping: bool) -> Failure:
-    """Why mpirun failed: the failing rank (its own report when it made one), then mpirun's words."""
-    said = tail(task.mpirun_log)
-    orted = tail(task.orted_log, 30)
-    agent = tail(task.rsh_log, 30)
-    launcher_output = tuple(said + (["-- orted on this host:"] + orted if orted else [])
-                            + (["-- the rsh agent:"] + agent if agent else []))
-    reports = [f for f in (read_error_file(TaskDir(s.task_dir), s.rank) for s in plan.slots) if f is not None]
-    if reports:
-        first = min(reports, key=lambda f: f.time)
-        return dataclasses.replace(first, launcher_output=launcher_output, consequence=stopping)
-    exited = parse_mpirun_exit(said)
-    slot = plan.slots[exited[0]] if exited is not None and exited[0] < plan.size else None
-    if slot is not None:
-        how = exit_text(exited[1])
-        own_log = TaskDir(slot.task_dir).rank_log(slot.rank)
-        return Failure(message="%s %s" % (where(slot), how), rank=slot.rank, host=slot.hostname,
-                       executor=slot.executor, exit=how, tail=tuple(tail(own_log)),
-                       launcher_output=launcher_output, consequence=stopping)
-    return Failure(message="mpirun %s before any rank reported why" % exit_text(code if code < 128 else 128 - code),
-                   exit=exit_text(code), launcher_output=launcher_output, consequence=stopping)
-
-
 def missing_programs(spec: RunSpec) -> tuple[str, ...]:
-    if spec.launcher != Launcher.MPIRUN:
-        return ()
-    path = spec.env.get("PATH", os.environ.get("PATH", ""))
-    return tuple(p for p in OPEN_MPI_PROGRAMS if shutil.which(p, path=path) is None)
-
-
-def run_ranks(spec: RunSpec, plan: Plan, slots: list[Slot], task: TaskDir, env: dict[str, str], *,
-              rendezvous: tuple[str, int] | None = None, mpirun: list[str] | None = None) -> Failure | None:
-    """The ranks of this host, to their end: Gloo starts ``slots`` itself; under mpirun the host
-    given ``mpirun`` (its argv) runs it, and every other host only serves its exec service."""
-    if spec.launcher == Launcher.GLOO:
-        assert rendezvous is not None
-        return run_gloo_ranks(spec, slots, rendezvous, env)
-    if mpirun is None:
-        return None
-    code, pid = run_mpirun(mpirun, env, os.getpid(), task.mpirun_log)
-    return mpirun_failure(plan, code, task, stopping=procs.killed_by_us(pid)) if code != 0 else None
+    """Programs ``spec``'s launcher needs that the PATH of its ranks lacks."""
+    return launcher_of(spec.launcher).missing_programs(spec.env.get("PATH", os.environ.get("PATH", "")))
 
 
 def rank_tails(slots: list[Slot]) -> dict[str, list[str]]:

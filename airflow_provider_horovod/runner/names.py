@@ -25,10 +25,10 @@ ENV_RESUME_DIR = "HVDRUNNER_RESUME_DIR"  # where resume_from is on this host (ru
 ENV_TASK_DIR = "HVDRUNNER_TASK_DIR"  # the rank's task folder (runtime.checkpoint_dir)
 ENV_EXEC_SERVICES = "HVDRUNNER_EXEC_SERVICES"  # mpirun's rsh agent: {host: "addr:port"}
 ENV_ARTIFACT_TRANSPORT = "HVDRUNNER_ARTIFACT_TRANSPORT"  # driver: "stream" turns the same-host copy off
-ENV_LAUNCHER = "HVDRUNNER_LAUNCHER"  # "mpirun" or "gloo"
-# The rank's place in the plan under every launcher. ``HOROVOD_RANK`` & co are set only under
-# Gloo, as ``horovodrun`` does: code in the Horovod ecosystem reads "HOROVOD_RANK is set" as
-# "launched with Gloo" (and calls ``hvd.shutdown()`` between tests, which ends MPI for good).
+# The rank's place in the plan under every launcher (``plan.rank_env``). A launcher's own contract
+# is its module's ``slot_env``: ``HOROVOD_RANK`` & co only under Gloo, as ``horovodrun`` does (code in
+# the Horovod ecosystem reads "HOROVOD_RANK is set" as "launched with Gloo" and calls
+# ``hvd.shutdown()`` between tests, which ends MPI for good).
 ENV_RANK = "HVDRUNNER_RANK"
 ENV_SIZE = "HVDRUNNER_SIZE"
 ENV_LOCAL_RANK = "HVDRUNNER_LOCAL_RANK"

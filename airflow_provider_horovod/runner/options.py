@@ -7,11 +7,18 @@ import enum
 
 
 class Launcher(enum.StrEnum):
-    """How the ranks are started: ``mpirun`` (the default, as in the original HorovodRunner) or
-    Horovod's Gloo. A ``str``: JSON, XCom and the task's marker hold the plain word."""
+    """How the ranks are started: ``mpirun`` (the default, as in the original HorovodRunner),
+    Horovod's Gloo, or ``torch`` (torch.distributed's own contract, as torchrun sets it: no Horovod).
+    A ``str``: JSON, XCom and the task's marker hold the plain word. Each has its module in
+    ``runner/launchers/``."""
 
     MPIRUN = "mpirun"
     GLOO = "gloo"
+    TORCH = "torch"
+
+    @property
+    def runs_horovod(self) -> bool:
+        return self != Launcher.TORCH
 
 
 VERBOSITIES = ("all", "log_callback_only")
@@ -41,3 +48,7 @@ def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: fl
             raise ValueError("%s must be a positive int; got %r" % (name, value))
     if not isinstance(timeline, bool):
         raise ValueError("timeline must be True or False; got %r" % (timeline,))
+    if timeline and not Launcher(launcher).runs_horovod:
+        raise ValueError("timeline=True records a Horovod timeline, and launcher=%r runs no Horovod. Leave timeline "
+                         "off, and profile with torch.profiler inside the training function (save its trace under "
+                         "runtime.checkpoint_dir() to get it back)." % str(launcher))

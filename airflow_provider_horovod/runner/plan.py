@@ -2,8 +2,8 @@
 
 Ranks are contiguous per host and rank 0 is partition 0, as Horovod requires. A "host" is one
 Spark executor (tasks report their executor's address), so two executors on one machine are two
-hosts to Horovod and to ``mpirun``. The local/cross layout is Horovod's own
-``get_host_assignments``, so ``local_rank`` and ``cross_rank`` match what Horovod computes.
+hosts to Horovod, ``mpirun`` and torch. The local/cross layout is Horovod's own
+``get_host_assignments`` (``host_assignments``), so ``local_rank`` and ``cross_rank`` match what Horovod computes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 from typing import Any
 
 from airflow_provider_horovod.runner import names
-from airflow_provider_horovod.runner.options import Launcher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +30,7 @@ class TaskFacts:
     service_port: int = 0  # exec service (mpirun) of this task
     rendezvous_port: int = 0  # Horovod's rendezvous server (gloo, partition 0 only)
     hnp_port: int = 0  # the port mpirun's out-of-band channel listens on (mpirun, partition 0 only)
+    master_port: int = 0  # torch's MASTER_PORT, held for rank 0's store (torch, partition 0 only)
     iface: str = ""  # the name of the interface holding ``address`` on this host (Gloo uses it)
     network: str = ""  # that interface's network in CIDR notation, e.g. ``10.0.3.0/24`` (mpirun uses it)
     missing: tuple[str, ...] = ()  # programs the launcher needs that are not on PATH here
@@ -53,7 +53,7 @@ class TaskFacts:
         return cls(**raw)
 
 
-# The fields a Slot shares with Horovod's own ``SlotInfo`` (get_host_assignments' answer, and what
+# The fields a Slot shares with Horovod's own ``SlotInfo`` (``host_assignments``' answer, and what
 # its Gloo rendezvous serves): copied between the two by name.
 SLOT_INFO_FIELDS = ("hostname", "rank", "local_rank", "cross_rank", "size", "local_size", "cross_size")
 
@@ -80,6 +80,7 @@ class Slot:
     service_port: int = 0  # the exec service of this slot's task (mpirun)
     rendezvous_port: int = 0  # Horovod's rendezvous server in this slot's task (Gloo, rank 0)
     hnp_port: int = 0  # mpirun's out-of-band port in this slot's task (mpirun, rank 0); the orteds' HNP
+    master_port: int = 0  # torch's MASTER_PORT in this slot's task (torch, rank 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,22 +130,18 @@ def make_plan(facts: list[TaskFacts]) -> Plan:
     Hosts are ordered by their lowest partition, so partition 0's host comes first; within a host,
     tasks are ordered by partition. That makes partition 0 rank 0 and every host's ranks contiguous.
     """
-    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments  # the driver has it (checked)
-
     if not facts:
         raise ValueError("no barrier tasks reported")
     by_executor: dict[str, list[TaskFacts]] = {}
     for f in sorted(facts, key=lambda f: f.partition):
         by_executor.setdefault(f.executor, []).append(f)
-    names = {executor: "hvdhost%d" % i for i, executor in enumerate(by_executor)}
-    hosts = [HostInfo(names[executor], len(tasks)) for executor, tasks in by_executor.items()]
-    assignments = get_host_assignments(hosts, len(facts))
+    assignments = host_assignments([("hvdhost%d" % i, len(tasks)) for i, tasks in enumerate(by_executor.values())])
     ordered = [f for tasks in by_executor.values() for f in tasks]
     slots = []
     for info, f in zip(assignments, ordered):
         slots.append(
             Slot(
-                **{name: getattr(info, name) for name in SLOT_INFO_FIELDS},
+                **info,
                 partition=f.partition,
                 executor=f.executor,
                 address=f.address,
@@ -156,17 +153,30 @@ def make_plan(facts: list[TaskFacts]) -> Plan:
                 service_port=f.service_port,
                 rendezvous_port=f.rendezvous_port,
                 hnp_port=f.hnp_port,
+                master_port=f.master_port,
             )
         )
     return Plan(tuple(slots))
 
 
-def rank_env(slot: Slot, launcher: Launcher) -> dict[str, str]:
-    """The environment that tells a rank who it is, as ``horovodrun`` gives it under ``launcher``.
+def host_assignments(hosts: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Horovod's own layout (``horovod.runner.common.util.hosts.get_host_assignments``, which the
+    torch launcher cannot import): ranks in host order, contiguous per host; ``cross_rank`` is the
+    host's place among the hosts that have a slot of the same ``local_rank``. ``hosts``: (name, slots)."""
+    out: list[dict[str, Any]] = []
+    for name, count in hosts:
+        for local_rank in range(count):
+            peers = [other for other, slots in hosts if slots > local_rank]
+            out.append({"hostname": name, "rank": len(out), "local_rank": local_rank, "cross_rank": peers.index(name),
+                        "size": sum(c for _, c in hosts), "local_size": count, "cross_size": len(peers)})
+    return out
 
-    ``HVDRUNNER_*`` always (``runtime`` reads them); ``HOROVOD_RANK`` & co only under Gloo: under
-    mpirun, MPI itself says who is which rank, and Horovod code reads ``HOROVOD_RANK`` as "Gloo".
-    """
+
+def rank_env(slot: Slot) -> dict[str, str]:
+    """The environment that tells a rank who it is under every launcher (``runtime`` reads it), and
+    its GPUs. What a launcher itself gives a rank (``HOROVOD_RANK`` & co under Gloo, torchrun's
+    ``RANK`` & co under torch; nothing under mpirun, where MPI says who is which rank) is that
+    launcher's ``slot_env``."""
     env = {
         names.ENV_HOSTNAME: slot.hostname,
         names.ENV_RANK: str(slot.rank),
@@ -176,16 +186,6 @@ def rank_env(slot: Slot, launcher: Launcher) -> dict[str, str]:
         names.ENV_CROSS_RANK: str(slot.cross_rank),
         names.ENV_CROSS_SIZE: str(slot.cross_size),
     }
-    if launcher == Launcher.GLOO:
-        env.update({
-            "HOROVOD_HOSTNAME": slot.hostname,
-            "HOROVOD_RANK": str(slot.rank),
-            "HOROVOD_SIZE": str(slot.size),
-            "HOROVOD_LOCAL_RANK": str(slot.local_rank),
-            "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-            "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-            "HOROVOD_CROSS_SIZE": str(slot.cross_size),
-        })
     env.update(gpu_env(slot))
     return env
 
@@ -193,21 +193,6 @@ def rank_env(slot: Slot, launcher: Launcher) -> dict[str, str]:
 def gpu_env(slot: Slot) -> dict[str, str]:
     """``CUDA_VISIBLE_DEVICES`` is exactly the task's GPU addresses, when it has any."""
     return {"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus)} if slot.gpus else {}
-
-
-def gloo_env(rendezvous_addr: str, rendezvous_port: int, iface: str, timeout_s: int, token: str) -> dict[str, str]:
-    """What every Gloo rank needs to find Horovod's rendezvous server. Horovod's client builds
-    ``http://<ADDR>:<PORT>/<scope>/<key>``, so ``<addr>:<port>/<token>`` as ADDR puts the run's token
-    first in every request's path (the server requires it, ``gloo.py``)."""
-    return {
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "%s:%d/%s" % (rendezvous_addr, rendezvous_port, token),
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
-        "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_GLOO_IFACE": iface,
-        "NCCL_SOCKET_IFNAME": iface,
-        "HOROVOD_GLOO_TIMEOUT_SECONDS": str(timeout_s),
-    }
 
 
 def slot_summary(plan: Plan) -> list[dict[str, Any]]:

@@ -85,7 +85,10 @@ class HorovodRunner:
 
     :param np: ``np > 0``: that many barrier tasks, one rank each. ``np < 0``: ``-np`` rank
         processes on the driver, with no Spark job (to try the training function first).
-    :param launcher: ``"mpirun"`` (the default, as in the original HorovodRunner) or ``"gloo"``.
+    :param launcher: ``"mpirun"`` (the default, as in the original HorovodRunner), ``"gloo"``, or
+        ``"torch"``: torch.distributed's own contract as ``torchrun`` sets it (``MASTER_ADDR``, ``RANK``,
+        ``WORLD_SIZE``, ``LOCAL_RANK``, ...), so unmodified DDP, FSDP or ``accelerate`` code runs; it
+        needs torch and no Horovod (``stall_timeout`` and ``timeline`` are Horovod's: not under torch).
     :param driver_log_verbosity: ``"all"`` streams every rank's output to the driver;
         ``"log_callback_only"`` streams only ``runtime.log_to_driver`` messages. The lines go to the
         ``airflow_provider_horovod.ranks`` logger when logging is configured, else to stdout.
@@ -308,7 +311,8 @@ class HorovodRunner:
         report = self.last_run
         report.spark_ui_url, report.job_tag = self._ui_url(spark), tag
         report.coordination = "channel" if address is not None else "spark"
-        entry = executors.task_entry(pickle.dumps(spec), ERROR_MARKER, "spark_task")
+        entry = executors.task_entry(pickle.dumps(spec), ERROR_MARKER, "spark_task",
+                                     executors.needed_modules(self.launcher.runs_horovod))
         self._workers_python = executors.workers_python(spark)
         with executors.python_of_workers(spark):
             df = source.mapInArrow(entry, RESULT_SCHEMA, barrier=True)
@@ -553,7 +557,7 @@ class HorovodRunner:
                 "spark.pyspark.python) at the same Python version on the driver and the executors."
                 % (executor, platform.python_version())
             )
-        missing = executors.missing_module_text(text, self._workers_python)
+        missing = executors.missing_module_text(text, self._workers_python, executors.needed_modules(self.launcher.runs_horovod))
         if missing is not None:
             return HorovodRunError(missing)
         return HorovodRunError("The Spark job running the Horovod ranks failed:\n%s" % quoted_text(str(err).strip()[:4000]))

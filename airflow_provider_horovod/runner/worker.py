@@ -1,6 +1,6 @@
 """The rank process: ``python -m airflow_provider_horovod.runner.worker``.
 
-Started by a barrier task (Gloo) or by ``orted`` (mpirun). It finds its slot in the plan, arms
+Started by a barrier task (Gloo, torch) or by ``orted`` (mpirun), with its launcher's environment. It finds its slot in the plan, arms
 a parent-death watchdog, captures its own stdout/stderr (file descriptors, so C++ output too) and
 streams the lines to the driver, unpickles the training function and calls it. Rank 0 writes its
 return value next to its task; a rank that raises reports its traceback and exits non-zero.
@@ -137,7 +137,6 @@ def _setup(rank: int):
     from airflow_provider_horovod.runner import names
     from airflow_provider_horovod.runner.channel import ChannelClient
     from airflow_provider_horovod.runner.plan import Plan, rank_env
-    from airflow_provider_horovod.runner.options import Launcher
     from airflow_provider_horovod.runner.procs import start_watchdog
     from airflow_provider_horovod.runner.wire import Credentials, rank_role
 
@@ -156,7 +155,7 @@ def _setup(rank: int):
     under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
     pump = OutputPump(rank, client, stream=os.environ.get(names.ENV_VERBOSITY, "all") == "all",
                       log_path=task.rank_log(rank), forward=under_mpirun)
-    os.environ.update(rank_env(slot, Launcher(os.environ.get(names.ENV_LAUNCHER, Launcher.GLOO))))
+    os.environ.update(rank_env(slot))
     os.environ[names.ENV_TASK_DIR] = slot.task_dir
     if os.environ.get(names.ENV_HAS_RESUME) == "1":
         # one copy per host, fetched by the host's first task

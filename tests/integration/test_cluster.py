@@ -56,6 +56,19 @@ def test_each_rank_sees_exactly_its_own_tasks_gpu(cluster_runs, launcher):
     assert len(set(devices)) == 2  # two executors, two different GPUs
 
 
+def test_torch_ddp_on_two_executors_gives_each_rank_its_own_gpu_as_a_node_of_one(cluster_runs):
+    got = cluster_runs["torch"]
+    ranks, plan = got["result"]["ranks"], got["plan"]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    assert [r["env"]["CUDA_VISIBLE_DEVICES"] for r in ranks] == [",".join(slot["gpus"]) for slot in plan]
+    assert all(slot["gpus"] for slot in plan)  # the cluster gives every task one (simulated) GPU
+    # a task with its own GPU is a torch node of one: torch.cuda.set_device(LOCAL_RANK) picks that GPU
+    assert [(r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"], r["env"]["GROUP_RANK"]) for r in ranks] == [
+        ("0", "1", "0"), ("0", "1", "1")]
+    assert {r["env"]["MASTER_ADDR"] for r in ranks} == {plan[0]["address"]}
+    assert sorted(r["rows"] for r in ranks) == [DATASET_ROWS // 2, DATASET_ROWS - DATASET_ROWS // 2]
+
+
 def test_mpirun_reaches_the_second_executor_through_the_exec_service(cluster_runs):
     events = cluster_runs["mpirun"]["events"]
     launched = {e["executor"] for e in events if e.get("kind") == "orted-launched"}
@@ -93,10 +106,21 @@ def test_dataset_shards_are_spilled_by_each_executors_task_for_the_rank_beside_i
     assert [r["steps"] for r in got["result"]] == [7, 7]  # ceil(51 / 8) on both ranks
 
 
-def test_spark_connect_session_runs_gloo_and_returns_rank_zeros_value_and_takes_a_connect_dataframe(tmp_path):
-    out = tmp_path / "connect.json"
+@pytest.fixture(scope="module")
+def connect_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("connect-out") / "connect.json"
     _run_module("tests.integration.scenarios.connect_run", str(out))
-    got = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_spark_connect_session_runs_ddp_under_the_torch_launcher(connect_runs):
+    ranks = connect_runs["torch"]["ranks"]
+    assert ranks[0]["weights"] == ranks[1]["weights"] and [r["rank"] for r in ranks] == [0, 1]
+    assert sorted(r["rows"] for r in ranks) == [DATASET_ROWS // 2, DATASET_ROWS - DATASET_ROWS // 2]
+
+
+def test_spark_connect_session_runs_gloo_and_returns_rank_zeros_value_and_takes_a_connect_dataframe(connect_runs):
+    got = connect_runs
     assert got["session"].startswith("pyspark.sql.connect")
     assert got["result"]["tag"] == "connect" and got["result"]["sum"] == 3.0
     for launcher in ("mpirun", "gloo"):  # dataset= takes a Connect DataFrame as it takes a classic one

@@ -124,6 +124,25 @@ def test_dataset_shards_lie_on_the_host_of_the_rank_that_reads_them(netbed, bed_
     assert got["leftovers"] == {}
 
 
+def assert_torch_ran_across_the_hosts(netbed, got: dict) -> None:
+    """A ``torch_jobs.ddp_job`` run of the bed: one rank per worker host, torch's store at rank 0's
+    address, each rank's Gloo on its own host's interface, the ranks in sync, nothing left behind."""
+    assert "error_type" not in got, got.get("message")
+    ranks, plan = got["result"]["ranks"], got["plan"]
+    assert set(hosts_of(plan)) == {h.address for h in netbed.workers}  # one rank on each worker host
+    assert {r["env"]["MASTER_ADDR"] for r in ranks} == {plan[0]["address"]}  # never 127.0.x.1
+    assert [r["env"]["GLOO_SOCKET_IFNAME"] for r in ranks] == [slot["iface"] for slot in plan]
+    assert [(r["env"]["GROUP_RANK"], r["env"]["LOCAL_RANK"]) for r in ranks] == [("0", "0"), ("1", "0")]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    assert got["leftovers"] == {}
+
+
+def test_torch_ddp_runs_one_rank_per_host_on_each_hosts_own_interface(netbed, bed_runs):
+    got = run_of(bed_runs, "torch-2")
+    assert_torch_ran_across_the_hosts(netbed, got)
+    assert sorted(r["rows"] for r in got["result"]["ranks"]) == [DATASET_ROWS // 2, DATASET_ROWS - DATASET_ROWS // 2]
+
+
 def test_checkpoint_and_timeline_come_back_by_stream_and_resume_from_reaches_every_host(netbed, bed_runs):
     got = run_of(bed_runs, "artifacts")
     assert "error_type" not in got, got.get("message")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.netbed import BedCluster, NetBed
-from tests.integration.test_hosts import hosts_of, run_of
+from tests.integration.test_hosts import assert_torch_ran_across_the_hosts, hosts_of, run_of
 
 pytestmark = pytest.mark.slow
 SCENARIO_TIMEOUT_S = 300
@@ -37,7 +37,7 @@ def bed_runs(netbed, tmp_path_factory):
     cluster = BedCluster(netbed, tmp_path_factory.mktemp("bed-spark-logs"), cores=2)
     try:
         cluster.start()
-        return cluster.run_scenarios(tmp_path_factory.mktemp("bed-out") / "runs.json", ["mpirun-2", "gloo-2"],
+        return cluster.run_scenarios(tmp_path_factory.mktemp("bed-out") / "runs.json", ["mpirun-2", "gloo-2", "torch-2"],
                                      SCENARIO_TIMEOUT_S)
     finally:
         cluster.stop()
@@ -59,3 +59,7 @@ def test_ranks_on_hosts_whose_names_resolve_to_loopback_reach_each_other(netbed,
     assert set(hosts_of(got["plan"])) == {h.address for h in netbed.workers}  # never 127.0.1.1
     assert {slot["iface"] for slot in got["plan"]} == {h.iface for h in netbed.workers}
     assert got["leftovers"] == {}
+
+
+def test_torch_ranks_on_hosts_whose_names_resolve_to_loopback_reach_each_other(netbed, bed_runs):
+    assert_torch_ran_across_the_hosts(netbed, run_of(bed_runs, "torch-2"))

@@ -13,7 +13,7 @@ import pytest
 
 from airflow_provider_horovod.runner import wire
 from airflow_provider_horovod.runner.host import WORKER
-from airflow_provider_horovod.runner.mpi import ExecService, OrtedRefused, agent_command, check_orted, mpirun_argv, orted_argv
+from airflow_provider_horovod.runner.launchers.mpirun import ExecService, OrtedRefused, agent_command, check_orted, mpirun_argv, orted_argv
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan
 from tests.security.attacker import EXEC, RANK, SECRET, TASK, hung_up, settle
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from airflow_provider_horovod.runner.mpi import (HNP_PORT_OPTION, OrtedRefused, agent_command, check_orted, mpirun_argv,
+from airflow_provider_horovod.runner.launchers.mpirun import (HNP_PORT_OPTION, OrtedRefused, agent_command, check_orted, mpirun_argv,
                                                  without_hnp_port)
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.gloo import Rendezvous
+from airflow_provider_horovod.runner.launchers.gloo import Rendezvous
 from airflow_provider_horovod.runner.plan import TaskFacts, make_plan
 from tests.security.attacker import SECRET
 

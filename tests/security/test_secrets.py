@@ -31,9 +31,9 @@ def _run_processes() -> list[psutil.Process]:
 
 
 def _is_agent(argv: list[str]) -> bool:
-    """``<python> -m airflow_provider_horovod.runner.rsh <host> orted ...`` (not orted, whose
+    """``<python> -m airflow_provider_horovod.runner.launchers.mpirun_rsh <host> orted ...`` (not orted, whose
     options name the agent in one word)."""
-    return any(a == "-m" and b == "airflow_provider_horovod.runner.rsh" for a, b in zip(argv, argv[1:]))
+    return any(a == "-m" and b == "airflow_provider_horovod.runner.launchers.mpirun_rsh" for a, b in zip(argv, argv[1:]))
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])

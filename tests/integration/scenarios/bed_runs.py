@@ -125,6 +125,13 @@ class Scenarios:
         dataset = self.spark.range(DATASET_ROWS, numPartitions=3)
         return self.run(self.runner(2, launcher, dataset=dataset), dataset_jobs.shard_job, batch_size=8)
 
+    def torch_ddp(self) -> dict[str, Any]:
+        """launcher="torch": unmodified DDP code, one rank per worker host, each reading its shard."""
+        from tests.integration import torch_jobs
+
+        dataset = self.spark.range(DATASET_ROWS, numPartitions=3)
+        return self.run(self.runner(2, "torch", dataset=dataset), torch_jobs.ddp_job, steps=2, use_dataset=True)
+
     def artifacts(self) -> dict[str, Any]:
         """np=4 (2 hosts x 2): resume_from reaches every rank on both hosts; rank 0's checkpoints and
         timeline come back by stream (the driver cannot see a worker's /tmp)."""
@@ -331,7 +338,7 @@ def wait_for_executors(spark, n: int, timeout: float = 120) -> None:
 
 
 DATASET_ROWS = 101  # odd: the two shards differ by one row
-RUNS = ("mpirun-2", "gloo-2", "mpirun-4", "gloo-4", "dataset-mpirun", "dataset-gloo", "artifacts", "cancel-training",
+RUNS = ("mpirun-2", "gloo-2", "mpirun-4", "gloo-4", "dataset-mpirun", "dataset-gloo", "torch-2", "artifacts", "cancel-training",
         "cancel-transfer", "rank-killed-mpirun", "rank-killed-gloo", "channel-blocked", "rank0-lost-mpirun",
         "rank0-lost-gloo", "host-lost")
 
@@ -361,7 +368,7 @@ def main() -> None:
         "cancel-transfer": s.cancel_transfer, "rank-killed-mpirun": lambda: s.rank_killed("mpirun"),
         "rank-killed-gloo": lambda: s.rank_killed("gloo"), "channel-blocked": s.channel_blocked,
         "rank0-lost-mpirun": lambda: s.rank0_host_lost("mpirun"), "rank0-lost-gloo": lambda: s.rank0_host_lost("gloo"),
-        "host-lost": s.host_lost,
+        "host-lost": s.host_lost, "torch-2": s.torch_ddp,
     }
     results: dict[str, Any] = {"driver_pid": os.getpid()}
     try:

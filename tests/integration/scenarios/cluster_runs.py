@@ -17,7 +17,7 @@ def main() -> None:
     from pyspark.sql import SparkSession
 
     from airflow_provider_horovod import HorovodRunner
-    from tests.integration import dataset_jobs, jobs
+    from tests.integration import dataset_jobs, jobs, torch_jobs
 
     builder = SparkSession.builder.master(master).appName("hvdrunner-cluster-tests")
     for key, value in conf.items():
@@ -33,6 +33,10 @@ def main() -> None:
             runner = HorovodRunner(2, launcher=launcher, spark=spark, dataset=spark.range(DATASET_ROWS, numPartitions=3))
             result = runner.run(dataset_jobs.shard_job, batch_size=8)
             results["dataset-" + launcher] = {"result": result, "events": runner.last_run["events"]}
+        # launcher="torch": unmodified DDP code on two executors (two hosts, one simulated GPU each)
+        runner = HorovodRunner(2, launcher="torch", spark=spark, dataset=spark.range(DATASET_ROWS, numPartitions=3))
+        results["torch"] = {"result": runner.run(torch_jobs.ddp_job, steps=2, use_dataset=True),
+                            "plan": next(e["slots"] for e in runner.last_run["events"] if e.get("kind") == "plan")}
         artifact_dir = os.path.join(os.path.dirname(out), "artifacts")
         # The executors stand for two hosts: rank 0's files come over the channel, as from another
         # machine, instead of being copied from a folder the driver happens to share here.

@@ -1,5 +1,5 @@
-"""Runs an np=2 Gloo job, and a dataset= job under each launcher, through a real Spark Connect
-session (a local Connect server).
+"""Runs an np=2 Gloo job, a dataset= job under each Horovod launcher and a DDP job under the torch
+launcher, through a real Spark Connect session (a local Connect server).
 
 usage: python -m tests.integration.scenarios.connect_run OUT_JSON
 """
@@ -14,7 +14,7 @@ def main() -> None:
     from pyspark.sql import SparkSession
 
     from airflow_provider_horovod import HorovodRunner
-    from tests.integration import dataset_jobs, jobs
+    from tests.integration import dataset_jobs, jobs, torch_jobs
     from tests.integration.scenarios.cluster_runs import DATASET_ROWS
 
     spark = SparkSession.builder.remote("local[2]").getOrCreate()
@@ -28,6 +28,9 @@ def main() -> None:
             runner = HorovodRunner(2, launcher=launcher, spark=spark, dataset=dataset)
             out["dataset-" + launcher] = {"result": runner.run(dataset_jobs.shard_job, batch_size=8),
                                           "dataframe": type(dataset).__module__}
+        dataset = spark.range(DATASET_ROWS, numPartitions=3)
+        out["torch"] = HorovodRunner(2, launcher="torch", spark=spark, dataset=dataset).run(
+            torch_jobs.ddp_job, steps=2, use_dataset=True)
     finally:
         spark.stop()
     with open(sys.argv[1], "w") as f:

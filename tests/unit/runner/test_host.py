@@ -6,7 +6,8 @@ import json
 
 from airflow_provider_horovod.runner import names
 from airflow_provider_horovod.runner.events import Failure
-from airflow_provider_horovod.runner.host import RunSpec, base_env, mpirun_failure, parse_mpirun_exit, rank_exit_failure
+from airflow_provider_horovod.runner.host import RunSpec, base_env, rank_exit_failure
+from airflow_provider_horovod.runner.launchers.mpirun import mpirun_failure, parse_mpirun_exit
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.plan import TaskFacts, make_plan
 
@@ -76,7 +77,7 @@ def test_rank_processes_get_neither_a_drivers_horovod_contract_nor_sparks_worker
     monkeypatch.setenv("PYTHON_WORKER_FACTORY_SECRET", "spark-secret")
     env = base_env(spec("mpirun"), TaskDir(tmp_path))
     assert "HOROVOD_RANK" not in env and "PYTHON_WORKER_FACTORY_SECRET" not in env
-    assert env["USER_VAR"] == "1" and env[names.ENV_LAUNCHER] == "mpirun"
+    assert env["USER_VAR"] == "1" and env["HOROVOD_CONTROLLER"] == "mpi"
     assert env[names.ENV_PLAN] == str(tmp_path / names.PLAN_FILE)
 
 def test_rank_processes_get_keras_2_unless_the_user_chose(monkeypatch, tmp_path):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from airflow_provider_horovod.runner.plan import TaskFacts, gloo_env, make_plan, rank_env
+from airflow_provider_horovod.runner.plan import TaskFacts, host_assignments, make_plan, rank_env
 
 
 def facts(partition: int, executor: str, gpus: tuple[str, ...] = ()) -> TaskFacts:
@@ -26,30 +26,78 @@ def test_local_and_cross_ranks_match_horovod_for_uneven_hosts():
     assert layout == [(0, 0, 3, 0, 2), (1, 1, 3, 0, 1), (2, 2, 3, 0, 1), (3, 0, 1, 1, 2)]
 
 
+def gloo_slot_env(slot):
+    from airflow_provider_horovod.runner.launchers import gloo
+    from tests.unit.runner.test_host import spec
+
+    return gloo.slot_env(spec("gloo"), slot, ("10.0.0.1", 4242))
+
+
 def test_rank_env_under_gloo_carries_the_horovod_contract_and_exactly_the_tasks_gpus():
     plan = make_plan([facts(0, "a:1", gpus=("3",)), facts(1, "b:1", gpus=("0", "1"))])
-    env0, env1 = rank_env(plan.slots[0], "gloo"), rank_env(plan.slots[1], "gloo")
+    env0, env1 = gloo_slot_env(plan.slots[0]), gloo_slot_env(plan.slots[1])
     assert env0["HOROVOD_RANK"] == "0" and env1["HOROVOD_RANK"] == "1"
     assert env0["HOROVOD_SIZE"] == env1["HOROVOD_SIZE"] == "2"
     assert env1["HOROVOD_CROSS_RANK"] == "1" and env1["HOROVOD_HOSTNAME"] == "hvdhost1"
-    assert env0["CUDA_VISIBLE_DEVICES"] == "3" and env1["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert "CUDA_VISIBLE_DEVICES" not in rank_env(make_plan([facts(0, "a:1")]).slots[0], "gloo")
+    assert rank_env(plan.slots[0])["CUDA_VISIBLE_DEVICES"] == "3" and rank_env(plan.slots[1])["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert "CUDA_VISIBLE_DEVICES" not in rank_env(make_plan([facts(0, "a:1")]).slots[0])
 
 
 def test_rank_env_under_mpirun_leaves_the_ranks_to_mpi_as_horovodrun_does():
     plan = make_plan([facts(0, "a:1", gpus=("3",)), facts(1, "b:1")])
-    env0, env1 = rank_env(plan.slots[0], "mpirun"), rank_env(plan.slots[1], "mpirun")
+    env0, env1 = rank_env(plan.slots[0]), rank_env(plan.slots[1])  # mpirun adds no slot_env of its own
     assert not [k for k in {**env0, **env1} if k.startswith("HOROVOD_")]
     assert env1["HVDRUNNER_RANK"] == "1" and env1["HVDRUNNER_CROSS_RANK"] == "1"  # for runtime.rank() & co
     assert env0["CUDA_VISIBLE_DEVICES"] == "3" and "CUDA_VISIBLE_DEVICES" not in env1
 
 
-def test_gloo_env_points_at_the_rendezvous_server():
-    env = gloo_env("10.0.0.1", 4242, "eth0", 60, "t0ken")
-    assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.1:4242/t0ken"  # Horovod's URL: http://ADDR:PORT/<scope>/...
+def test_gloo_env_points_at_the_rendezvous_server_with_the_runs_token():
+    from airflow_provider_horovod.runner import wire
+    from tests.unit.runner.test_host import spec
+
+    env = gloo_slot_env(make_plan([facts(0, "a:1")]).slots[0])
+    token = wire.rendezvous_token(spec("gloo").secret)
+    assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.1:4242/%s" % token  # Horovod's URL: http://ADDR:PORT/<scope>/...
     assert env["HOROVOD_GLOO_RENDEZVOUS_PORT"] == "4242"
     assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo"
-    assert env["HOROVOD_GLOO_IFACE"] == "eth0"
+
+
+@pytest.mark.parametrize("layout", [[1], [2], [3, 1], [1, 3], [2, 2, 1], [1, 2, 3], [4, 4]])
+def test_host_assignments_are_horovods_own(layout):
+    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+
+    hosts = [("hvdhost%d" % i, n) for i, n in enumerate(layout)]
+    theirs = get_host_assignments([HostInfo(name, n) for name, n in hosts], sum(layout))
+    assert host_assignments(hosts) == [{k: getattr(info, k) for k in host_assignments(hosts)[0]} for info in theirs]
+
+
+def test_torch_env_is_torchruns_contract_on_the_plans_interface():
+    from dataclasses import replace
+
+    from airflow_provider_horovod.runner.launchers import torch as torch_launcher
+
+    plan = make_plan([replace(facts(0, "a:1"), iface="eth0"), replace(facts(1, "a:1"), iface="eth0"),
+                      replace(facts(2, "b:1"), iface="ens5")])
+    envs = [torch_launcher.slot_env(plan, s, "run1", ("10.0.0.0", 29500), {}) for s in plan.slots]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"] and {e["WORLD_SIZE"] for e in envs} == {"3"}
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs} == {("10.0.0.0", "29500")}
+    assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"]) for e in envs] == [("0", "2", "0"), ("1", "2", "0"), ("0", "1", "1")]
+    assert {e["GROUP_WORLD_SIZE"] for e in envs} == {"2"} and {e["TORCHELASTIC_RUN_ID"] for e in envs} == {"run1"}
+    assert [e["ROLE_RANK"] for e in envs] == ["0", "1", "2"] and {e["ROLE_WORLD_SIZE"] for e in envs} == {"3"}
+    assert [e["GLOO_SOCKET_IFNAME"] for e in envs] == ["eth0", "eth0", "ens5"] == [e["NCCL_SOCKET_IFNAME"] for e in envs]
+    assert [e.get("OMP_NUM_THREADS") for e in envs] == ["1", "1", None]  # as torchrun: several ranks share a host's CPUs
+    assert "OMP_NUM_THREADS" not in torch_launcher.slot_env(plan, plan.slots[0], "r", ("a", 1), {"OMP_NUM_THREADS": "4"})
+    assert not [k for e in envs for k in e if k.startswith("HOROVOD_")]
+
+
+def test_torch_ranks_given_gpus_are_nodes_of_one_so_local_rank_names_their_own_gpu():
+    from airflow_provider_horovod.runner.launchers import torch as torch_launcher
+
+    plan = make_plan([facts(0, "a:1", gpus=("3",)), facts(1, "a:1", gpus=("5",))])
+    envs = [torch_launcher.slot_env(plan, s, "r", ("10.0.0.0", 1), {}) for s in plan.slots]
+    assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"], e["GROUP_WORLD_SIZE"]) for e in envs] == [
+        ("0", "1", "0", "2"), ("0", "1", "1", "2")]
+    assert [rank_env(s)["CUDA_VISIBLE_DEVICES"] for s in plan.slots] == ["3", "5"]
 
 
 def test_plan_round_trips_through_json():
@@ -69,7 +117,7 @@ def test_empty_plan_is_refused():
 def test_mpirun_selects_interfaces_by_network_not_by_the_name_each_host_gives_its_nic():
     from dataclasses import replace
 
-    from airflow_provider_horovod.runner.mpi import mpirun_argv
+    from airflow_provider_horovod.runner.launchers.mpirun import mpirun_argv
 
     a = replace(facts(0, "a:1"), iface="eth0", network="10.0.3.0/24")
     b = replace(facts(1, "b:1"), iface="ens5", network="10.0.3.0/24")

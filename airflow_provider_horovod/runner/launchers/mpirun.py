@@ -1,4 +1,5 @@
-"""mpirun without SSH: an exec service in each barrier task and an rsh agent for ``mpirun``.
+"""``launcher="mpirun"`` (the default): mpirun without SSH, an exec service in each barrier task and an
+rsh agent for ``mpirun`` (``mpirun_rsh.py``).
 
 Partition 0 runs ``mpirun -mca plm_rsh_agent <agent>`` with one pseudo host name per executor.
 For each host Open MPI calls ``<agent> <host> orted <args...>``; the agent connects to the exec
@@ -13,24 +14,30 @@ stops listening. It accepts only the ``exec`` role's key, which only partition 0
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
+import json
 import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from airflow_provider_horovod.runner import procs, wire
-from airflow_provider_horovod.runner.host import OPEN_MPI_PROGRAMS, WORKER
+from airflow_provider_horovod.runner import messages, names, procs, wire
+from airflow_provider_horovod.runner.events import Failure
+from airflow_provider_horovod.runner.host import WORKER, exit_text, hand_over_key, read_error_file, run_reaped, tail, where
+from airflow_provider_horovod.runner.launchers import Services
 from airflow_provider_horovod.runner.messages import LaunchOrted, OrtedExited, OrtedStarted
-from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, new_temp_dir
+from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, TaskDir, new_temp_dir
 from airflow_provider_horovod.runner.plan import Plan
+from airflow_provider_horovod.runner.stall import stall_env
 
-MPIRUN, ORTED = OPEN_MPI_PROGRAMS
+OPEN_MPI_PROGRAMS = MPIRUN, ORTED = ("mpirun", "orted")  # what mpirun needs on every host's PATH
 
 
 def orted_argv(words: list[str]) -> list[str]:
@@ -291,7 +298,7 @@ def agent_command() -> str:
     if " " in sys.executable:
         raise ValueError("mpirun needs a Python path without spaces on the executors (Open MPI splits "
                          "plm_rsh_agent on spaces); got %r. Use launcher='gloo' or another path." % sys.executable)
-    return "%s -m airflow_provider_horovod.runner.rsh" % sys.executable
+    return "%s -m airflow_provider_horovod.runner.launchers.mpirun_rsh" % sys.executable
 
 
 def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[str], np: int = 0) -> list[str]:
@@ -317,3 +324,142 @@ def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[s
         argv += ["-mca", HNP_PORT_OPTION, str(plan.slots[0].hnp_port)]
     return argv + WORKER
 
+
+
+# -- the launcher's interface (``launchers``) -------------------------------------------------------
+class MpirunServices(Services):
+    """Every task's exec service; partition 0 also holds the port mpirun's out-of-band channel will
+    listen on (bound, so no other process takes it, until mpirun is about to start)."""
+
+    def __init__(self, spec, partition: int, executor: str, address: str, task: TaskDir, env: dict[str, str],
+                 client) -> None:
+        self._hnp_port: socket.socket | None = None
+        if partition == 0:
+            self._hnp_port = socket.socket()
+            self._hnp_port.bind((address, 0))
+
+        def on_launch(_argv: list[str]) -> None:
+            client.send(messages.Event("orted-launched", partition=partition, executor=executor))
+
+        self.exec_service = ExecService(address, spec.secret, env, os.getpid(), on_launch, log_path=task.orted_log)
+
+    def ports(self) -> dict[str, int]:
+        return {"service_port": self.exec_service.port,
+                "hnp_port": self._hnp_port.getsockname()[1] if self._hnp_port is not None else 0}
+
+    def expect(self, plan: Plan, partition: int) -> None:
+        self.exec_service.expect(plan, partition)
+
+    def release_hnp_port(self) -> None:
+        """Just before mpirun starts: let it take the port the plan pins (``check_orted``)."""
+        if self._hnp_port is not None:
+            self._hnp_port.close()
+
+    def close(self) -> None:
+        self.release_hnp_port()
+        self.exec_service.close()
+
+
+def serve(spec, partition: int, executor: str, address: str, task: TaskDir, env: dict[str, str],
+          client) -> MpirunServices:
+    return MpirunServices(spec, partition, executor, address, task, env, client)
+
+
+def host_env(spec) -> dict[str, str]:
+    """As under ``horovodrun --mpi``: MPI says who is which rank (no ``HOROVOD_RANK`` & co, which
+    Horovod code reads as "launched with Gloo"); Horovod's stall check from ``stall_timeout``."""
+    return {"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi", **stall_env(spec.stall_timeout_s)}
+
+
+def missing_programs(path: str) -> tuple[str, ...]:
+    return tuple(p for p in OPEN_MPI_PROGRAMS if shutil.which(p, path=path) is None)
+
+
+def start(spec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], services: MpirunServices,
+          client) -> Failure | None:
+    """Partition 0 runs mpirun for every host; the first task of every other host waits for its orted."""
+    if partition != 0:
+        return wait_for_orted(plan, partition, task, services, client)
+    leaders = {name: plan.host_leader(name) for name, _ in plan.hosts}
+    env = dict(env)
+    env[names.ENV_EXEC_SERVICES] = json.dumps({name: "%s:%d" % (s.address, s.service_port) for name, s in leaders.items()})
+    hand_over_key(task.exec_key, wire.role_key(spec.secret, wire.ROLE_EXEC))
+    services.release_hnp_port()
+    try:
+        return run_mpirun(plan, mpirun_argv(plan, networks=plan.networks), env, task)
+    finally:
+        with contextlib.suppress(OSError):
+            task.exec_key.unlink()
+
+
+def start_local(spec, plan: Plan, task: TaskDir, env: dict[str, str]) -> Failure | None:
+    return run_mpirun(plan, mpirun_argv(None, np=plan.size, networks=plan.networks), env, task)
+
+
+def wait_for_orted(plan: Plan, partition: int, task: TaskDir, services: MpirunServices, client) -> Failure | None:
+    """The first task of every other host: wait until its ``orted`` ended (or the driver says
+    stop), so its report can say how that host's daemon ended."""
+    slot = plan.for_partition(partition)
+    if not client.connected or plan.host_leader(slot.hostname).partition != partition:
+        return None
+    service = services.exec_service
+    while not service.orted_ended.wait(0.2):
+        if client.stopped.is_set():
+            break
+    if not service.orted_code:
+        return None
+    how = exit_text(service.orted_code)
+    return Failure("orted on host %s (executor %s) %s" % (slot.hostname, slot.executor, how), host=slot.hostname,
+                   executor=slot.executor, exit=how, launcher_output=tuple(["-- orted on host %s:" % slot.hostname]
+                                                                          + tail(task.orted_log, 30)),
+                   consequence=True)
+
+
+def run_mpirun(plan: Plan, argv: list[str], env: dict[str, str], task: TaskDir) -> Failure | None:
+    """Run ``mpirun`` under a reaper (it dies with this task) to its end; why it failed, if it did."""
+    code, pid = run_reaped(argv, env, task.mpirun_log)
+    return mpirun_failure(plan, code, task, stopping=procs.killed_by_us(pid)) if code != 0 else None
+
+
+_SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+_PROCESS_NAME = re.compile(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]")
+_EXIT_CODE = re.compile(r"Exit code:\s*(-?\d+)")
+_ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+\s+with errorcode (-?\d+)")
+
+
+def parse_mpirun_exit(lines: list[str]) -> tuple[int, int] | None:
+    """(rank, exit code; negative: signal) of the first rank mpirun reports as failed, if it says."""
+    text = "\n".join(lines)
+    found = _SIGNALLED.search(text)
+    if found:
+        return int(found.group(1)), -int(found.group(2))
+    name, code = _PROCESS_NAME.search(text), _EXIT_CODE.search(text)
+    if name and code:
+        return int(name.group(1)), int(code.group(1))
+    aborted = _ABORTED.search(" ".join(lines))
+    if aborted:
+        return int(aborted.group(1)), int(aborted.group(2))
+    return None
+
+
+def mpirun_failure(plan: Plan, code: int, task: TaskDir, *, stopping: bool) -> Failure:
+    """Why mpirun failed: the failing rank (its own report when it made one), then mpirun's words."""
+    said = tail(task.mpirun_log)
+    orted = tail(task.orted_log, 30)
+    agent = tail(task.rsh_log, 30)
+    launcher_output = tuple(said + (["-- orted on this host:"] + orted if orted else [])
+                            + (["-- the rsh agent:"] + agent if agent else []))
+    reports = [f for f in (read_error_file(TaskDir(s.task_dir), s.rank) for s in plan.slots) if f is not None]
+    if reports:
+        first = min(reports, key=lambda f: f.time)
+        return dataclasses.replace(first, launcher_output=launcher_output, consequence=stopping)
+    exited = parse_mpirun_exit(said)
+    slot = plan.slots[exited[0]] if exited is not None and exited[0] < plan.size else None
+    if slot is not None:
+        how = exit_text(exited[1])
+        own_log = TaskDir(slot.task_dir).rank_log(slot.rank)
+        return Failure(message="%s %s" % (where(slot), how), rank=slot.rank, host=slot.hostname,
+                       executor=slot.executor, exit=how, tail=tuple(tail(own_log)),
+                       launcher_output=launcher_output, consequence=stopping)
+    return Failure(message="mpirun %s before any rank reported why" % exit_text(code if code < 128 else 128 - code),
+                   exit=exit_text(code), launcher_output=launcher_output, consequence=stopping)

@@ -1,4 +1,5 @@
-"""Gloo: Horovod's own rendezvous server, bound to one task's address, and the rank processes.
+"""``launcher="gloo"``: Horovod's own rendezvous server, bound to partition 0's address, and one
+rank process per barrier task with the ``HOROVOD_*`` environment ``horovodrun --gloo`` gives.
 
 Horovod's client sends no credential, but it builds its URL as ``http://<addr>:<port>/<scope>/<key>``
 from ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` as given. The ranks get ``<addr>:<port>/<token>`` there, so every
@@ -15,7 +16,13 @@ from horovod.runner.common.util.hosts import SlotInfo
 from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.plan import SLOT_INFO_FIELDS, Plan
+from airflow_provider_horovod.runner.events import Failure
+from airflow_provider_horovod.runner.host import run_rank_processes
+from airflow_provider_horovod.runner.launchers import Services
+from airflow_provider_horovod.runner.names import TaskDir
+from airflow_provider_horovod.runner.network import LOOPBACK
+from airflow_provider_horovod.runner.plan import SLOT_INFO_FIELDS, Plan, Slot
+from airflow_provider_horovod.runner.stall import stall_env
 
 
 class _Handler(RendezvousHandler):
@@ -98,3 +105,76 @@ class Rendezvous:
             self._httpd.server_close()
 
         threading.Thread(target=stop_now, name="hvdrunner-rendezvous-stop", daemon=True).start()
+
+
+# -- the launcher's interface (``launchers``) -------------------------------------------------------
+class GlooServices(Services):
+    """Partition 0 serves Horovod's rendezvous; the other tasks serve nothing."""
+
+    def __init__(self, rendezvous: Rendezvous | None) -> None:
+        self.rendezvous = rendezvous
+
+    def ports(self) -> dict[str, int]:
+        return {"rendezvous_port": self.rendezvous.port} if self.rendezvous else {}
+
+    def expect(self, plan: Plan, partition: int) -> None:
+        if self.rendezvous is not None:
+            self.rendezvous.init(plan)
+
+    def close(self) -> None:
+        if self.rendezvous is not None:
+            self.rendezvous.stop()
+
+
+def serve(spec, partition: int, executor: str, address: str, task: TaskDir, env: dict[str, str],
+          client) -> GlooServices:
+    return GlooServices(Rendezvous(address, spec.secret) if partition == 0 else None)
+
+
+def host_env(spec) -> dict[str, str]:
+    return stall_env(spec.stall_timeout_s)
+
+
+def missing_programs(path: str) -> tuple[str, ...]:
+    return ()
+
+
+def slot_env(spec, slot: Slot, rendezvous: tuple[str, int]) -> dict[str, str]:
+    """What ``horovodrun --gloo`` gives a rank (``gloo_run.create_slot_env_vars``): who it is, and
+    where Horovod's rendezvous server is. Horovod's client builds ``http://<ADDR>:<PORT>/<scope>/<key>``,
+    so ``<addr>:<port>/<token>`` as ADDR puts the run's token first in every request's path (the
+    server requires it, ``Rendezvous``)."""
+    addr, port = rendezvous
+    return {
+        "HOROVOD_HOSTNAME": slot.hostname,
+        "HOROVOD_RANK": str(slot.rank),
+        "HOROVOD_SIZE": str(slot.size),
+        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "%s:%d/%s" % (addr, port, wire.rendezvous_token(spec.secret)),
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_IFACE": slot.iface,
+        "NCCL_SOCKET_IFNAME": slot.iface,
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": str(spec.gloo_timeout_s),
+    }
+
+
+def start(spec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], services: GlooServices,
+          client) -> Failure | None:
+    """This task's own rank, pointed at partition 0's rendezvous."""
+    root = plan.slots[0]
+    return run_rank_processes([plan.for_partition(partition)], env,
+                              lambda slot: slot_env(spec, slot, (root.address, root.rendezvous_port)))
+
+
+def start_local(spec, plan: Plan, task: TaskDir, env: dict[str, str]) -> Failure | None:
+    rendezvous = Rendezvous(LOOPBACK, spec.secret)
+    try:
+        rendezvous.init(plan)
+        return run_rank_processes(list(plan.slots), env, lambda slot: slot_env(spec, slot, (LOOPBACK, rendezvous.port)))
+    finally:
+        rendezvous.stop()

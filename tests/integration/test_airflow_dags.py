@@ -225,6 +225,13 @@ def test_reference_string_operator_and_task_horovod_decorator(airflow):
     assert airflow.xcom("hvd_test_tasks", "unrolled", "horovod_checkpoint_uri") is None
     assert "XCom not found" not in proc.stdout + proc.stderr  # every extra link's key was pushed
 
+    # launcher="torch": the decorator and the operator run torch.distributed code, with checkpoints and logs
+    assert airflow.xcom("hvd_test_tasks", "ddp") == 30.0
+    assert (local(airflow.xcom("hvd_test_tasks", "ddp", "horovod_checkpoint_uri")) / "sum.pt").exists()
+    assert "[rank 1] torch all_reduce sum 3.0" in proc.stdout + proc.stderr
+    torch_by_reference = airflow.xcom("hvd_test_tasks", "torch_by_reference")
+    assert (torch_by_reference["result"], torch_by_reference["launcher"]) == (2, "torch")
+
 
 def test_retry_resumes_from_the_checkpoint_of_the_failed_try(airflow):
     proc = airflow.dags_test("hvd_test_retry")

@@ -1,5 +1,5 @@
 """Test DAG: HorovodRunnerOperator with a reference string and a templated np; @task.horovod with a
-result that is not JSON-serializable; @task.horovod whose first try fails after a checkpoint; a
+result that is not JSON-serializable; both under launcher="torch"; @task.horovod whose first try fails after a checkpoint; a
 job killed with its task; bad input; the engine's limits set on the operator."""
 
 from __future__ import annotations
@@ -39,6 +39,34 @@ def hvd_test_tasks():
         return {"loss": 0.5, "epochs": [1, 2]}
 
     unrolled()
+
+    @task.horovod(np=2, launcher="torch")
+    def ddp(scale: int):
+        """torch.distributed code as torchrun runs it: no Horovod."""
+        import torch
+        import torch.distributed as dist
+
+        from airflow_provider_horovod import runtime
+
+        dist.init_process_group("gloo")
+        total = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(total)
+        print("torch all_reduce sum %s" % total.item(), flush=True)
+        runtime.report(step=1, total_steps=1, loss=0.25)
+        if dist.get_rank() == 0:
+            torch.save({"sum": total}, runtime.checkpoint_dir() / "sum.pt")
+            runtime.commit_checkpoint(step=1)
+        dist.destroy_process_group()
+        return total.item() * scale
+
+    ddp(10)
+
+    HorovodRunnerOperator(
+        task_id="torch_by_reference",
+        training_callable="airflow_provider_horovod.runtime:size",
+        np=2,
+        launcher="torch",
+    )
 
 
 @dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False)

@@ -74,8 +74,11 @@ def horovod_build() -> HorovodBuild | None:
                         controllers=tuple(c for c, symbol in CONTROLLER_SYMBOLS.items() if symbol in names))
 
 
-def stack_of_this_host() -> dict[str, str]:
-    """What a barrier task reports (and the driver compares): provider version and Horovod build."""
+def stack_of_this_host(horovod: bool = True) -> dict[str, str]:
+    """What a barrier task reports (and the driver compares): provider version and Horovod build.
+    ``horovod=False`` (the driver of ``launcher="torch"``): the provider only, so Horovod is not compared."""
+    if not horovod:
+        return {"provider": provider_version()}
     build = horovod_build()
     return {"provider": provider_version(), "horovod": build.describe() if build else "no horovod"}
 

@@ -273,7 +273,7 @@ class HorovodRunner:
             env=self.env,
             driver_python=platform.python_version(),
             stall_timeout_s=self.stall_timeout,
-            driver_stack=stack_of_this_host(),
+            driver_stack=stack_of_this_host(horovod=self.launcher.runs_horovod),
             timeline=self.timeline,
             collect_artifacts=self.artifact_dir is not None,
             has_resume=self.resume_from is not None,

@@ -13,7 +13,8 @@ functions; the task side (``barrier.py``) and the driver's local ranks call them
   of the run, to its end (its own rank, or ``mpirun`` for every host);
 - ``start_local(spec, plan, task, env) -> Failure | None``: ``np < 0``, every rank on the driver.
 
-A rank's environment contract lives in its launcher's module (``slot_env``), nowhere else.
+A rank's environment contract lives in its launcher's module, nowhere else: ``slot_env`` under Gloo
+and torch; under mpirun, MPI's own (``OMPI_COMM_WORLD_*``, set by ``orted``) and ``host_env``.
 """
 
 from __future__ import annotations

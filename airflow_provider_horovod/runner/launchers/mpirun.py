@@ -289,7 +289,7 @@ class ExecService:
 
 
 def agent_command() -> str:
-    """What ``-mca plm_rsh_agent`` runs: this Python with ``rsh.py`` (it imports almost nothing).
+    """What ``-mca plm_rsh_agent`` runs: this Python with ``mpirun_rsh.py`` (it imports almost nothing).
 
     Open MPI hands the agent to every ``orted`` too, and each ``orted`` refuses to start when the
     agent's program is not found on *its* host, so it must be a path every host has: the Python

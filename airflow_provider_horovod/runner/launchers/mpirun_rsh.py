@@ -1,4 +1,4 @@
-"""``python -m airflow_provider_horovod.runner.rsh <host> orted <args...>``: mpirun's rsh agent, without SSH.
+"""``python -m airflow_provider_horovod.runner.launchers.mpirun_rsh <host> orted <args...>``: mpirun's rsh agent, without SSH.
 
 Open MPI calls it once per host (``-mca plm_rsh_agent``); it asks the exec service in that host's
 barrier task (authenticated with the run's secret) to start ``orted``, and holds the connection

@@ -38,7 +38,7 @@ def __getattr__(name: str):
     # The engine is imported on first use, so that ``python -m airflow_provider_horovod.runner.*``
     # entry points (rank processes, reapers) start without importing it twice.
     if name == "HorovodRunner":
-        from airflow_provider_horovod.runner.runner import HorovodRunner
+        from airflow_provider_horovod.runner.driver.runner import HorovodRunner
 
         return HorovodRunner
     raise AttributeError(name)

@@ -62,7 +62,7 @@ class PayloadError(ValueError):
 class Keras3NotSupportedError(TypeError):
     """A training function gave Keras 3 objects to Horovod's Keras API, which trains them wrong.
 
-    Raised inside the rank (``runner.keras_guard``); the run fails with it as the rank's error.
+    Raised inside the rank (``runner.rank.keras_guard``); the run fails with it as the rank's error.
     """
 
 

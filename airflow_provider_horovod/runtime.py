@@ -21,8 +21,8 @@ from pathlib import Path
 
 from airflow_provider_horovod.runner import names
 
-_client = None  # set by the rank process (``runner.worker``) to its ChannelClient
-_reporter = None  # rank 0's ``runner.reports.Reporter``, set by the rank process
+_client = None  # set by the rank process (``runner.rank.worker``) to its ChannelClient
+_reporter = None  # rank 0's ``runner.rank.reports.Reporter``, set by the rank process
 
 
 def _int(*names_: str, default: int) -> int:
@@ -123,7 +123,7 @@ def commit_checkpoint(step: int | None = None, **metrics: object) -> None:
     the background (training goes on at once). Once a run has called this, only its calls make
     versions. ``step`` and ``metrics`` go into the version's marker. Other ranks: nothing happens.
     An empty checkpoint folder is no version: the call warns and does nothing."""
-    from airflow_provider_horovod.runner.shipper import request_commit
+    from airflow_provider_horovod.runner.task.shipper import request_commit
 
     base = os.environ.get(names.ENV_TASK_DIR)
     if base is None or rank() != 0:
@@ -137,14 +137,14 @@ def commit_checkpoint(step: int | None = None, **metrics: object) -> None:
 
 
 def dataset(remainder: str = "wrap"):
-    """This rank's shard of the run's ``dataset=`` (a ``runner.shard.Shard``): ``num_rows``,
+    """This rank's shard of the run's ``dataset=`` (a ``runner.rank.shard.Shard``): ``num_rows``,
     ``schema``, ``iter_batches()``, ``steps()``, ``to_torch()``, ``to_tf()``.
 
     Every rank gets the same ``steps()``: ``remainder="wrap"`` reads ``ceil(rows / np)`` rows per
     epoch (a shorter shard wraps around), ``"drop"`` reads ``floor(rows / np)``.
     """
     from airflow_provider_horovod.exceptions import DatasetError
-    from airflow_provider_horovod.runner.shard import Shard
+    from airflow_provider_horovod.runner.rank.shard import Shard
 
     base = os.environ.get(names.ENV_TASK_DIR)
     if base is None:

@@ -138,10 +138,6 @@ class TryMarker:
         return {**self.fields, "status": self.status.value if self.status else None, "complete": self.complete,
                 "stored_files": list(self.stored_files)}
 
-    @property
-    def has_checkpoint(self) -> bool:
-        return any(f.startswith(CHECKPOINTS + "/") for f in self.stored_files)
-
 
 def read_marker(folder: Any) -> TryMarker | None:
     """The try's final marker, or ``None`` while the try runs (or when it was killed)."""

@@ -42,7 +42,7 @@ def spark():
     session.stop()
 
 
-RANK_PROCESS_MARKERS = ("airflow_provider_horovod.runner.worker", "orted", "mpirun", "airflow_provider_horovod.runner.procs")
+RANK_PROCESS_MARKERS = ("airflow_provider_horovod.runner.rank.worker", "orted", "mpirun", "airflow_provider_horovod.runner.procs")
 
 
 def ours(proc: psutil.Process) -> bool:

@@ -25,7 +25,7 @@ from airflow.sdk import BaseHook, ObjectStoragePath
 from airflow_provider_horovod import store
 from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.runner.messages import TransferError, safe_relative
-from airflow_provider_horovod.runner.executors import python_conf
+from airflow_provider_horovod.runner.driver.executors import python_conf
 from airflow_provider_horovod.runner.options import Launcher
 
 if TYPE_CHECKING:

@@ -41,10 +41,10 @@ class HorovodRunnerOperator(BaseOperator):
     """
     Run ``training_callable`` on ``np`` Horovod ranks in one barrier-mode Spark stage.
 
-    Rank logs stream into the task log, tagged by rank. Rank 0's return value, the stored
-    artifacts (timeline, rank 0's checkpoints) and the Spark UI come back as the ``return_value``
+    Rank logs stream into the task log, tagged by rank. Rank 0's return value and the stored
+    artifacts (timeline, rank 0's checkpoints) come back as the ``return_value``
     XCom, a JSON dict with ``result``, ``artifacts_uri``, ``checkpoint_uri``, ``timeline_uri``,
-    ``spark_ui_url``, ``np``, ``launcher``, ``try_number``, ``duration_s`` and ``metrics`` (rank 0's
+    ``np``, ``launcher``, ``try_number``, ``duration_s`` and ``metrics`` (rank 0's
     newest ``runtime.report``: its values, ``step`` and ``total_steps``). ``artifacts_uri``,
     ``checkpoint_uri``, ``timeline_uri``, ``try_number``, ``duration_s`` and ``metrics`` are also pushed under
     their own keys, ``horovod_<name>``, by every try that got as far as storing its artifacts
@@ -353,7 +353,6 @@ class HorovodRunnerOperator(BaseOperator):
             "artifacts_uri": str(folder),
             "checkpoint_uri": str(newest.path) if newest is not None else None,
             "timeline_uri": timeline_uri,
-            "spark_ui_url": report.spark_ui_url,
             "np": report.np,
             "launcher": Launcher(self.launcher).value,
             "try_number": try_number,

@@ -1,4 +1,9 @@
-"""The engine: runs a cloudpickled function as a Horovod job in one Spark barrier stage.
+"""The engine: runs a cloudpickled function on ranks started in one Spark barrier stage.
+
+Folders by the process that runs their modules: ``driver/`` (the caller of ``HorovodRunner.run``),
+``task/`` (each Spark barrier task), ``rank/`` (each rank process) and ``launchers/`` (one module per
+launcher, entered from the task side). The modules at this level are shared by all of them: the plan,
+the wire and its messages, names, payload, options, events, artifacts, versions, dataset, procs.
 
 Nothing in this package imports Airflow.
 """

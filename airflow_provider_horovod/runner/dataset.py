@@ -1,7 +1,7 @@
 """Training data through the barrier stage: ``dataset=`` (a table, a Spark SQL query, a callable
 ``spark -> DataFrame`` or a DataFrame) becomes the barrier stage's input, split into ``np``
 balanced partitions; each barrier task spills its partition to a local Arrow file for its rank
-(``runtime.dataset()`` reads it, see ``runner/shard.py``). Nothing goes through the driver and
+(``runtime.dataset()`` reads it, see ``runner/rank/shard.py``). Nothing goes through the driver and
 nothing is stored on the way, as in PySpark's ``TorchDistributor._train_on_dataframe``.
 
 The driver's phases, each a function (``prepare_dataset`` runs them in order):

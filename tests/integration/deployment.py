@@ -25,7 +25,6 @@ import pwd
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+from tests.integration.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
@@ -54,12 +55,6 @@ def write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), 0o600)
         f.write(text)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def postgres_bin() -> Path:

@@ -69,6 +69,12 @@ def test_torch_ddp_on_two_executors_gives_each_rank_its_own_gpu_as_a_node_of_one
     assert [r["rows"] for r in ranks] == [-(-DATASET_ROWS // 2)] * 2  # ceil(101 / 2): the shorter shard wraps
 
 
+def test_an_accelerate_function_runs_on_two_executors(cluster_runs):
+    got = cluster_runs["accelerate"]
+    assert (got["processes"], got["index"], got["distributed"]) == (2, 0, "DistributedType.MULTI_CPU")
+    assert got["weights"][0] == got["weights"][1]
+
+
 def test_mpirun_reaches_the_second_executor_through_the_exec_service(cluster_runs):
     events = cluster_runs["mpirun"]["events"]
     launched = {e["executor"] for e in events if e.get("kind") == "orted-launched"}
@@ -113,7 +119,9 @@ def connect_runs(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def test_spark_connect_session_runs_ddp_under_the_torch_launcher(connect_runs):
+def test_spark_connect_session_runs_ddp_and_accelerate_under_the_torch_launcher(connect_runs):
+    assert connect_runs["accelerate"]["processes"] == 2
+    assert connect_runs["accelerate"]["weights"][0] == connect_runs["accelerate"]["weights"][1]
     ranks = connect_runs["torch"]["ranks"]
     assert ranks[0]["weights"] == ranks[1]["weights"] and [r["rank"] for r in ranks] == [0, 1]
     assert [r["rows"] for r in ranks] == [-(-DATASET_ROWS // 2)] * 2  # ceil(101 / 2): the shorter shard wraps

@@ -143,6 +143,14 @@ def test_torch_ddp_runs_one_rank_per_host_on_each_hosts_own_interface(netbed, be
     assert [r["rows"] for r in got["result"]["ranks"]] == [-(-DATASET_ROWS // 2)] * 2  # ceil(101 / 2): the shorter shard wraps
 
 
+def test_an_accelerate_function_runs_one_process_per_host(netbed, bed_runs):
+    got = run_of(bed_runs, "torch-accelerate")
+    assert "error_type" not in got, got.get("message")
+    assert set(hosts_of(got["plan"])) == {h.address for h in netbed.workers}
+    assert got["result"]["processes"] == 2 and got["result"]["weights"][0] == got["result"]["weights"][1]
+    assert got["leftovers"] == {}
+
+
 def test_checkpoint_and_timeline_come_back_by_stream_and_resume_from_reaches_every_host(netbed, bed_runs):
     got = run_of(bed_runs, "artifacts")
     assert "error_type" not in got, got.get("message")

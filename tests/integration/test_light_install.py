@@ -30,7 +30,7 @@ import importlib, importlib.util, json, sys
 for name in ("airflow_provider_horovod.operators.horovod", "airflow_provider_horovod.decorators.horovod",
              "airflow_provider_horovod.hooks.horovod", "airflow_provider_horovod.links",
              "airflow_provider_horovod.plugins.horovod", "airflow_provider_horovod.plugins.view",
-             "airflow_provider_horovod.runner.runner", "airflow_provider_horovod.runner.barrier"):
+             "airflow_provider_horovod.runner.driver.runner", "airflow_provider_horovod.runner.task.barrier"):
     importlib.import_module(name)
 from airflow.dag_processing.dagbag import DagBag
 bag = DagBag(dag_folder=sys.argv[1])

@@ -10,7 +10,6 @@ import contextlib
 import importlib.metadata
 import os
 import subprocess
-import sys
 import sysconfig
 import time
 from collections.abc import Iterator

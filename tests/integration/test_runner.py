@@ -284,10 +284,10 @@ def test_rank_exits_when_its_spark_task_dies(spark, launcher, tmp_path):
 def test_secret_never_appears_in_argv_logs_or_spark_conf(spark, monkeypatch, tmp_path, caplog, capfd):
     import psutil
 
-    from airflow_provider_horovod.runner import runner as runner_module
+    from airflow_provider_horovod.runner.driver import attempt as attempt_module
 
     secret = bytes(range(32))
-    monkeypatch.setattr(runner_module.wire, "new_secret", lambda: secret)
+    monkeypatch.setattr(attempt_module.wire, "new_secret", lambda: secret)
     caplog.set_level(logging.DEBUG)
     runner = HorovodRunner(2, launcher="mpirun", spark=spark)
     thread, errors = train_in_background(runner, tmp_path)
@@ -300,7 +300,7 @@ def test_secret_never_appears_in_argv_logs_or_spark_conf(spark, monkeypatch, tmp
     runner.cancel()
     thread.join(30)
     assert [type(e) for e in errors] == [RunCancelledError]
-    assert any("airflow_provider_horovod.runner.worker" in a for a in argvs)  # we looked while it ran
+    assert any("airflow_provider_horovod.runner.rank.worker" in a for a in argvs)  # we looked while it ran
     for text in (*argvs, caplog.text, *capfd.readouterr(), str(spark.sparkContext.getConf().getAll())):
         assert secret.hex() not in text
         assert secret.hex().upper() not in text
@@ -359,7 +359,7 @@ def test_dynamic_allocation_is_refused_before_any_spark_job(tmp_path):
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
 def test_without_a_reachable_driver_logs_and_errors_come_back_with_the_stage(spark, monkeypatch, caplog, launcher):
     # As with a Spark Connect session to a remote server: the executors cannot connect back.
-    from airflow_provider_horovod.runner.channel import Channel
+    from airflow_provider_horovod.runner.driver.channel import Channel
 
     monkeypatch.setattr(Channel, "start", lambda self, host: None)
     caplog.set_level(logging.INFO, logger="airflow_provider_horovod.ranks")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from airflow_provider_horovod.exceptions import HorovodRunError
-from airflow_provider_horovod.runner.runner import HorovodRunner
+from airflow_provider_horovod.runner.driver.runner import HorovodRunner
 from tests.integration import tensorflow_jobs
 
 

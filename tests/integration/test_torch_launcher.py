@@ -1,4 +1,4 @@
-"""``launcher="torch"`` on a real ``local[2]`` SparkSession: unmodified torchrun code (DDP, accelerate)
+"""``launcher="torch"`` on a real ``local[2]`` SparkSession: unmodified torchrun code (DDP, FSDP, accelerate)
 with every feature of the engine, and a torch job in an environment that has no Horovod at all."""
 
 from __future__ import annotations
@@ -54,6 +54,16 @@ def test_accelerate_function_runs_unmodified_on_every_rank(spark):
     assert result["processes"] == 2 and result["index"] == 0 and result["distributed"] == "DistributedType.MULTI_CPU"
     assert result["batches"] == 4  # 64 rows, batches of 8, split between two processes
     assert result["weights"][0] == result["weights"][1]  # gradients were averaged across the ranks
+
+
+def test_fsdp_shards_the_model_between_the_ranks_and_rank_0_commits_the_full_state(spark, tmp_path):
+    runner = HorovodRunner(2, launcher="torch", spark=spark, artifact_dir=tmp_path / "fsdp")
+    first, second = runner.run(torch_jobs.fsdp_job, steps=3)
+    assert first["full"] == second["full"]  # one model, gathered from both ranks' shards
+    assert first["local"]["0.weight"] + second["local"]["0.weight"] == 8 * 16  # each rank holds half of it
+    assert first["local"]["0.weight"] < 8 * 16
+    assert [v["step"] for v in runner.last_run.checkpoints] == [3]
+    assert (Path(runner.last_run.checkpoint_path) / "model.pt").exists()
 
 
 def test_a_torch_rank_that_raises_fails_the_run_with_its_traceback_while_the_other_waits(spark):

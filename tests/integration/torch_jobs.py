@@ -108,3 +108,37 @@ def slow_ddp_job(steps: int = 100000, marker: str = ""):
             open(marker, "w").close()
         time.sleep(0.1)
     return steps
+
+
+def fsdp_job(steps: int = 3):
+    """FSDP (torch's ``fully_shard``) on CPU over Gloo: parameters sharded between the ranks; the full
+    state is gathered on every rank and rank 0 saves and commits it. Returns every rank's view of it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from airflow_provider_horovod import runtime
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(dist.get_rank())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 8)
+    y = x.sum(dim=1, keepdim=True)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    full = {name: shard.full_tensor() for name, shard in model.state_dict().items()}  # every rank takes part
+    local = {name: shard.to_local().numel() for name, shard in model.state_dict().items()}
+    if dist.get_rank() == 0:
+        torch.save(full, runtime.checkpoint_dir() / "model.pt")
+        runtime.commit_checkpoint(step=steps)
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, {"full": {k: round(v.sum().item(), 6) for k, v in full.items()}, "local": local})
+    dist.destroy_process_group()
+    return seen

@@ -12,7 +12,7 @@ import pytest
 from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.runner import names, wire
 from airflow_provider_horovod.runner.artifacts import Limits, make_offer, send_tree
-from airflow_provider_horovod.runner.channel import Channel
+from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.events import UploadFinished, UploadStarted
 from airflow_provider_horovod.runner.plan import TaskFacts, make_plan
 from tests.security.attacker import SECRET, TASK

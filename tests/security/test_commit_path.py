@@ -13,7 +13,7 @@ import pytest
 from airflow_provider_horovod import ArtifactError, HorovodRunError, HorovodRunner
 from airflow_provider_horovod.plugins import store as view_store
 from airflow_provider_horovod.runner import artifacts, names
-from airflow_provider_horovod.runner.host import RunSpec, upload_artifacts
+from airflow_provider_horovod.runner.task.barrier import RunSpec, upload_artifacts
 from tests.integration import jobs
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.host import WORKER
+from airflow_provider_horovod.runner.task.barrier import WORKER
 from airflow_provider_horovod.runner.launchers.mpirun import ExecService, OrtedRefused, agent_command, check_orted, mpirun_argv, orted_argv
-from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan
+from airflow_provider_horovod.runner.plan import Plan
+from tests.plans import loopback_plan
 from tests.security.attacker import EXEC, RANK, SECRET, TASK, hung_up, settle
 
 
@@ -23,13 +24,10 @@ _MPIRUN_ENV = {**os.environ, "OMPI_MCA_btl_base_warn_component_unused": "0"}
 
 
 def _plan(tmp_path: Path, hosts: int = 2, per_host: int = 1) -> Plan:
-    facts = []
-    for p in range(hosts * per_host):
-        task = tmp_path / ("task-%d" % p)
+    tasks = [tmp_path / ("task-%d" % p) for p in range(hosts * per_host)]
+    for task in tasks:
         task.mkdir()
-        facts.append(TaskFacts(partition=p, executor="127.0.0.1:%d" % (p // per_host), address="127.0.0.1",
-                               pid=os.getpid(), task_dir=str(task), python="3.11", iface="lo", network="127.0.0.0/8"))
-    return make_plan(facts)
+    return loopback_plan(tasks, per_host)
 
 
 @pytest.fixture(scope="module")

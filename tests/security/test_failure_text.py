@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from airflow_provider_horovod import HorovodRunError, HorovodRunner
-from airflow_provider_horovod.runner.channel import Channel
+from airflow_provider_horovod.runner.driver.attempt import run_error
+from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.events import Failure
 from tests.security import rank_jobs
 from tests.security.attacker import SECRET
@@ -39,7 +40,7 @@ def test_mpirun_words_and_every_field_of_a_report_are_escaped():
     failure = Failure(message="Rank 0 failed\n%s" % rank_jobs.FORGED, rank=0, host="h\rx", exit="exited\x1b[2K",
                       tail=("ok", rank_jobs.FORGED, "a\u2028b"), launcher_output=(rank_jobs.FORGED, "\x1b]0;title\x07"))
     others = [Failure(message="orted", launcher_output=("x\n" + rank_jobs.FORGED,))]
-    error = HorovodRunner(2)._error(failure, Channel(SECRET), [failure, *others])
+    error = run_error(failure, Channel(SECRET).tails(), [failure, *others], launcher="mpirun", stall_timeout=600)
     text = str(error)
     assert _forged_lines(text) == [] and not [c for c in RAW if c in text]
     assert text.count(rank_jobs.FORGED) == 4  # each still shown, as the words of a rank or of mpirun

@@ -9,7 +9,7 @@ import threading
 import time
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.channel import Channel
+from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.events import TaskStarted
 from tests.security.attacker import SECRET, TASK, hung_up, settle
 
@@ -87,7 +87,7 @@ def test_connect_gives_up_within_its_timeout_on_a_server_that_answers_byte_by_by
 
 
 def test_refused_connections_are_warned_about_at_most_once_an_interval(caplog):
-    caplog.set_level(logging.WARNING, logger="airflow_provider_horovod.runner.channel")
+    caplog.set_level(logging.WARNING, logger="airflow_provider_horovod.runner.driver.channel")
     channel = Channel(SECRET)
     address = channel.start("127.0.0.1")
     stranger = wire.Credentials.of(wire.new_secret(), wire.ROLE_TASK)

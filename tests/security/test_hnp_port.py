@@ -4,21 +4,19 @@ partition 0's address. Pure checks of the orted line: no mpirun needed."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from airflow_provider_horovod.runner.launchers.mpirun import (HNP_PORT_OPTION, OrtedRefused, agent_command, check_orted, mpirun_argv,
                                                  without_hnp_port)
-from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan
+from airflow_provider_horovod.runner.plan import Plan
+from tests.plans import loopback_plan
 
 HNP_PORT = 41234
 
 
 def _plan(tmp_path) -> Plan:
-    return make_plan([TaskFacts(partition=p, executor="127.0.0.1:%d" % p, address="127.0.0.1", pid=os.getpid(),
-                                task_dir=str(tmp_path), python="3.11", iface="lo", network="127.0.0.0/8",
-                                hnp_port=HNP_PORT if p == 0 else 0) for p in range(2)])
+    return loopback_plan([tmp_path, tmp_path], hnp_port=HNP_PORT)
 
 
 def _orted_line(plan: Plan, hnp_uri: str) -> list[str]:

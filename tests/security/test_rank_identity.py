@@ -4,10 +4,10 @@ Finding N12 of issue #21."""
 from __future__ import annotations
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.channel import Channel
+from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.events import RankFailed
 from airflow_provider_horovod.runner.plan import make_plan
-from airflow_provider_horovod.runner.supervisor import Deadlines, Supervisor
+from airflow_provider_horovod.runner.driver.supervisor import Deadlines, Supervisor
 from tests.security.attacker import SECRET, hung_up, settle
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.channel import Channel, RankOutput, one_line
+from airflow_provider_horovod.runner.driver.channel import Channel, RankOutput, one_line
 from tests.security.attacker import RANK, SECRET, settle
 
 

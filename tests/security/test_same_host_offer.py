@@ -5,23 +5,21 @@ folder where it read the proof, so a folder swapped in after that is never copie
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from airflow_provider_horovod.runner import artifacts, names, wire
 from airflow_provider_horovod.runner.artifacts import take_tree
-from airflow_provider_horovod.runner.channel import Channel
-from airflow_provider_horovod.runner.plan import TaskFacts, make_plan
+from airflow_provider_horovod.runner.driver.channel import Channel
+from tests.plans import loopback_plan
 from tests.security.attacker import SECRET, TASK, hung_up
 from tests.security.test_artifact_transfer import RUN_ID, _put, _staged, _task_dir
 
 
 def _plan(task_dirs: list[Path]):
     """A plan with one task per folder, each on a host of its own (so each is its host's leader)."""
-    return make_plan([TaskFacts(partition=i, executor="e%d" % i, address="127.0.0.1", pid=os.getpid(), task_dir=str(d),
-                                python="3.11") for i, d in enumerate(task_dirs)])
+    return loopback_plan(task_dirs)
 
 
 @pytest.fixture

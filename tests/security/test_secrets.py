@@ -13,7 +13,7 @@ import pytest
 
 from airflow_provider_horovod import HorovodRunner, RunCancelledError
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.host import RunSpec
+from airflow_provider_horovod.runner.task.barrier import RunSpec
 from tests.conftest import ours, run_processes
 from tests.integration.test_runner import train_in_background
 
@@ -60,7 +60,7 @@ def test_no_process_of_a_run_holds_a_key_in_its_environment_or_argv(spark, monke
         runner.cancel()
         thread.join(30)
     assert [type(e) for e in errors] == [RunCancelledError]
-    ranks = [a for a in seen if a.endswith("-m airflow_provider_horovod.runner.worker") and "mpirun" not in a]
+    ranks = [a for a in seen if a.endswith("-m airflow_provider_horovod.runner.rank.worker") and "mpirun" not in a]
     assert len(ranks) == 2  # we looked while both ranks trained
     if launcher == "mpirun":
         assert any("orted" in a for a in seen) and agents_seen

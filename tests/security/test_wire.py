@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.channel import Channel, ChannelClient
+from airflow_provider_horovod.runner.client import ChannelClient
+from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.events import TaskStarted
 from airflow_provider_horovod.runner.messages import Logs
 from tests.security.attacker import RANK, SECRET, TASK, hung_up, raw_hello, settle
@@ -23,7 +24,7 @@ from tests.security.attacker import RANK, SECRET, TASK, hung_up, raw_hello, sett
 # and limited; it prints its port, then every rank line it receives.
 CHANNEL_PROCESS = textwrap.dedent("""
     import resource, sys, time
-    from airflow_provider_horovod.runner.channel import Channel
+    from airflow_provider_horovod.runner.driver.channel import Channel
     limit = int(sys.argv[2])
     if limit:
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))

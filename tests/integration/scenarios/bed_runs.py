@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-RUNNER_PROCESSES = ("airflow_provider_horovod.runner.worker", "airflow_provider_horovod.runner.procs", "orted", "mpirun")
+RUNNER_PROCESSES = ("airflow_provider_horovod.runner.rank.worker", "airflow_provider_horovod.runner.procs", "orted", "mpirun")
 
 
 class LineWatch(logging.Handler):
@@ -131,6 +131,12 @@ class Scenarios:
 
         dataset = self.spark.range(DATASET_ROWS, numPartitions=3)
         return self.run(self.runner(2, "torch", dataset=dataset), torch_jobs.ddp_job, steps=2, use_dataset=True)
+
+    def torch_accelerate(self) -> dict[str, Any]:
+        """launcher="torch": an accelerate loop, one process per worker host."""
+        from tests.integration import torch_jobs
+
+        return self.run(self.runner(2, "torch"), torch_jobs.accelerate_job, steps=1)
 
     def artifacts(self) -> dict[str, Any]:
         """np=4 (2 hosts x 2): resume_from reaches every rank on both hosts; rank 0's checkpoints and
@@ -338,8 +344,8 @@ def wait_for_executors(spark, n: int, timeout: float = 120) -> None:
 
 
 DATASET_ROWS = 101  # odd: the two shards differ by one row
-RUNS = ("mpirun-2", "gloo-2", "mpirun-4", "gloo-4", "dataset-mpirun", "dataset-gloo", "torch-2", "artifacts", "cancel-training",
-        "cancel-transfer", "rank-killed-mpirun", "rank-killed-gloo", "channel-blocked", "rank0-lost-mpirun",
+RUNS = ("mpirun-2", "gloo-2", "mpirun-4", "gloo-4", "dataset-mpirun", "dataset-gloo", "torch-2", "torch-accelerate",
+        "artifacts", "cancel-training", "cancel-transfer", "rank-killed-mpirun", "rank-killed-gloo", "channel-blocked", "rank0-lost-mpirun",
         "rank0-lost-gloo", "host-lost")
 
 
@@ -369,6 +375,7 @@ def main() -> None:
         "rank-killed-gloo": lambda: s.rank_killed("gloo"), "channel-blocked": s.channel_blocked,
         "rank0-lost-mpirun": lambda: s.rank0_host_lost("mpirun"), "rank0-lost-gloo": lambda: s.rank0_host_lost("gloo"),
         "host-lost": s.host_lost, "torch-2": s.torch_ddp,
+        "torch-accelerate": s.torch_accelerate,
     }
     results: dict[str, Any] = {"driver_pid": os.getpid()}
     try:

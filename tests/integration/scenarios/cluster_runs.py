@@ -37,6 +37,7 @@ def main() -> None:
         runner = HorovodRunner(2, launcher="torch", spark=spark, dataset=spark.range(DATASET_ROWS, numPartitions=3))
         results["torch"] = {"result": runner.run(torch_jobs.ddp_job, steps=2, use_dataset=True),
                             "plan": next(e["slots"] for e in runner.last_run["events"] if e.get("kind") == "plan")}
+        results["accelerate"] = HorovodRunner(2, launcher="torch", spark=spark).run(torch_jobs.accelerate_job, steps=1)
         artifact_dir = os.path.join(os.path.dirname(out), "artifacts")
         # The executors stand for two hosts: rank 0's files come over the channel, as from another
         # machine, instead of being copied from a folder the driver happens to share here.

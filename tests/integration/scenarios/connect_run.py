@@ -31,6 +31,7 @@ def main() -> None:
         dataset = spark.range(DATASET_ROWS, numPartitions=3)
         out["torch"] = HorovodRunner(2, launcher="torch", spark=spark, dataset=dataset).run(
             torch_jobs.ddp_job, steps=2, use_dataset=True)
+        out["accelerate"] = HorovodRunner(2, launcher="torch", spark=spark).run(torch_jobs.accelerate_job, steps=1)
     finally:
         spark.stop()
     with open(sys.argv[1], "w") as f:

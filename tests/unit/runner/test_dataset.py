@@ -7,7 +7,7 @@ import pytest
 
 from airflow_provider_horovod import DatasetError, runtime
 from airflow_provider_horovod.runner.dataset import DatasetSpec, check_dataset, is_table_name, offsets, spill
-from airflow_provider_horovod.runner.shard import Shard
+from airflow_provider_horovod.runner.rank.shard import Shard
 
 
 def spark_batches(ids: list[int], rows_per_batch: int = 4) -> list[pa.RecordBatch]:

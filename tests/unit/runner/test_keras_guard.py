@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from airflow_provider_horovod.runner import keras_guard
+from airflow_provider_horovod.runner.rank import keras_guard
 
 CHECKS = r"""
 import json
@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from airflow_provider_horovod.exceptions import Keras3NotSupportedError
-from airflow_provider_horovod.runner import keras_guard
+from airflow_provider_horovod.runner.rank import keras_guard
 
 keras_guard.install()
 hvd.init()

@@ -12,7 +12,7 @@ from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.messages import ProtocolError, TransferError, decode
 from airflow_provider_horovod.runner.messages import Report
 from airflow_provider_horovod.runner.plan import TaskFacts, make_plan
-from airflow_provider_horovod.runner.reports import Reporter
+from airflow_provider_horovod.runner.rank.reports import Reporter
 
 FACTS = TaskFacts(partition=1, executor="10.0.3.12:48638", address="10.0.3.12", pid=4242, task_dir="/tmp/p1",
                   python="3.11.7", gpus=("0",), service_port=5000, iface="ens5", network="10.0.3.0/24")
@@ -191,7 +191,8 @@ def test_the_channel_passes_on_rank_0s_reports_only_and_hangs_up_on_a_malformed_
     import queue as queue_
 
     from airflow_provider_horovod.runner import wire
-    from airflow_provider_horovod.runner.channel import Channel, ChannelClient
+    from airflow_provider_horovod.runner.client import ChannelClient
+    from airflow_provider_horovod.runner.driver.channel import Channel
 
     secret, got = wire.new_secret(), queue_.Queue()
     channel = Channel(secret, on_report=got.put)

@@ -3,11 +3,11 @@ from __future__ import annotations
 import pytest
 
 from airflow_provider_horovod.runner.plan import TaskFacts, host_assignments, make_plan, rank_env
+from tests.plans import task_facts
 
 
 def facts(partition: int, executor: str, gpus: tuple[str, ...] = ()) -> TaskFacts:
-    return TaskFacts(partition=partition, executor=executor, address="10.0.0.%d" % partition, pid=100 + partition,
-                     task_dir="/tmp/p%d" % partition, python="3.11.7", gpus=gpus)
+    return task_facts(partition, executor, gpus=gpus)
 
 
 def test_partition_zero_is_rank_zero_and_ranks_are_contiguous_per_host():

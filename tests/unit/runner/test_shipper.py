@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_horovod import runtime
-from airflow_provider_horovod.runner import artifacts, names, shipper, versions, wire
+from airflow_provider_horovod.runner import artifacts, names, versions, wire
+from airflow_provider_horovod.runner.task import shipper
 from airflow_provider_horovod.runner.artifacts import Limits
-from airflow_provider_horovod.runner.channel import Channel
+from airflow_provider_horovod.runner.driver.channel import Channel
 
 
 def wait_for(condition, timeout: float = 20.0) -> None:

@@ -43,7 +43,7 @@ def test_output_without_a_stall_report_is_no_stall():
 def test_every_process_of_a_host_gets_the_stall_check_and_the_users_env_wins(tmp_path):
     import dataclasses
 
-    from airflow_provider_horovod.runner.host import base_env
+    from airflow_provider_horovod.runner.task.barrier import base_env
     from airflow_provider_horovod.runner.names import TaskDir
     from tests.unit.runner.test_host import spec
 

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from airflow_provider_horovod.runner.barrier import checked_plan
+from airflow_provider_horovod.runner.driver.attempt import checked_plan
 from airflow_provider_horovod.runner.events import (
     CancelRequested,
     Failure,
@@ -22,7 +22,8 @@ from airflow_provider_horovod.runner.events import (
     UploadStarted,
 )
 from airflow_provider_horovod.runner.plan import TaskFacts, make_plan
-from airflow_provider_horovod.runner.supervisor import (
+from tests.plans import task_facts
+from airflow_provider_horovod.runner.driver.supervisor import (
     CutOff,
     Deadlines,
     PlanError,
@@ -37,8 +38,7 @@ D = Deadlines(start_s=30.0)
 
 
 def facts(partition: int) -> TaskFacts:
-    return TaskFacts(partition=partition, executor="e:1", address="127.0.0.1", pid=1, task_dir="/t%d" % partition,
-                     python="3.11.2")
+    return task_facts(partition, address="127.0.0.1", pid=1, task_dir="/t%d" % partition)
 
 
 def supervisor(np: int = 2, planner=make_plan) -> Supervisor:

@@ -6,11 +6,12 @@ import queue
 import threading
 from types import SimpleNamespace
 
-from airflow_provider_horovod.runner import barrier, wire
-from airflow_provider_horovod.runner.barrier import run_task
-from airflow_provider_horovod.runner.channel import Channel
+from airflow_provider_horovod.runner import wire
+from airflow_provider_horovod.runner.task import barrier
+from airflow_provider_horovod.runner.task.barrier import run_task
+from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.events import TaskFinished, TaskStarted
-from airflow_provider_horovod.runner.host import RunSpec
+from airflow_provider_horovod.runner.task.barrier import RunSpec
 from airflow_provider_horovod.runner.messages import Release
 
 

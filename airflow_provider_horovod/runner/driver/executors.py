@@ -14,7 +14,7 @@ from typing import Any
 
 PYTHON_CONF = "spark.pyspark.python"
 # What the barrier task imports, and what its ranks import (only looked for: a fraction of a millisecond).
-IMPORTED = ("airflow_provider_horovod.runner.barrier",)
+IMPORTED = ("airflow_provider_horovod.runner.task.barrier",)
 FOUND = ("cloudpickle", "horovod")
 MISSING_TEXT = (
     "The executor on host %s runs %s, which cannot import %s (%s). Give the executors an "
@@ -85,7 +85,7 @@ def task_entry(spec: bytes, marker: str, run: str, found: tuple[str, ...] = FOUN
     (``spec`` is the pickled ``RunSpec``), so Spark's worker unpickles it on any executor; the task
     then checks its imports before anything else and fails with ``MISSING_TEXT`` inside ``marker``
     (read by ``barrier.parse_failure``) when one is missing. ``run`` names the function of
-    ``runner.barrier`` that runs the task; ``found``: the modules its ranks import (``needed_modules``)."""
+    ``runner.task.barrier`` that runs the task; ``found``: the modules its ranks import (``needed_modules``)."""
     imported, text, needs = IMPORTED, MISSING_TEXT, needs_text(found)
 
     def task(batches: Iterable[Any]) -> Iterable[Any]:

@@ -1,4 +1,4 @@
-"""The rank process: ``python -m airflow_provider_horovod.runner.worker``.
+"""The rank process: ``python -m airflow_provider_horovod.runner.rank.worker``.
 
 Started by a barrier task (Gloo, torch) or by ``orted`` (mpirun), with its launcher's environment. It finds its slot in the plan, arms
 a parent-death watchdog, captures its own stdout/stderr (file descriptors, so C++ output too) and
@@ -135,7 +135,7 @@ def _setup(rank: int):
     """Find this rank's slot, arm the watchdog, connect to the driver, capture the output."""
     from airflow_provider_horovod import runtime
     from airflow_provider_horovod.runner import names
-    from airflow_provider_horovod.runner.channel import ChannelClient
+    from airflow_provider_horovod.runner.client import ChannelClient
     from airflow_provider_horovod.runner.plan import Plan, rank_env
     from airflow_provider_horovod.runner.procs import start_watchdog
     from airflow_provider_horovod.runner.wire import Credentials, rank_role
@@ -149,7 +149,7 @@ def _setup(rank: int):
     client = ChannelClient((host, int(port)) if port and key else None, Credentials(rank_role(rank), key))
     runtime._client = client
     if rank == 0 and client.connected:
-        from airflow_provider_horovod.runner.reports import Reporter
+        from airflow_provider_horovod.runner.rank.reports import Reporter
 
         runtime._reporter = Reporter(client)
     under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
@@ -173,7 +173,7 @@ def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
     """Write and send this rank's failure: its exception, traceback and last lines."""
     from airflow_provider_horovod.exceptions import provider_class_name
     from airflow_provider_horovod.runner.events import Failure
-    from airflow_provider_horovod.runner.host import where
+    from airflow_provider_horovod.runner.task.barrier import where
 
     text = traceback.format_exc()
     sys.stderr.write(text)
@@ -223,7 +223,7 @@ def main() -> int:
     slot = task = client = pump = None
     try:
         slot, task, client, pump = _setup(rank)
-        from airflow_provider_horovod.runner import keras_guard
+        from airflow_provider_horovod.runner.rank import keras_guard
         from airflow_provider_horovod.runner.names import ENV_PAYLOAD
         from airflow_provider_horovod.runner.payload import load_payload
 

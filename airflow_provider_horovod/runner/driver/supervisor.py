@@ -113,7 +113,6 @@ class CutOff:
 
 
 Action = SendPlan | SendStart | Release | Stop | CutOff
-STOP_REASONS = ("error", "cancel", "timeout")
 
 
 class Supervisor:
@@ -133,7 +132,7 @@ class Supervisor:
         self._planner = planner
         self._began = now
         self.phase = Phase.STARTING if coordinated else Phase.RUNNING
-        self.reason: str | None = None  # why the run was stopped: one of STOP_REASONS
+        self.reason: str | None = None  # why the run was stopped: "error", "cancel" or "timeout"
         self.failures: list[Failure] = []  # every failure reported, in the order they arrived
         self.plan: Plan | None = None
         self.started: set[int] = set()

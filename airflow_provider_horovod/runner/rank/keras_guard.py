@@ -5,7 +5,7 @@ Keras 3 objects, its ``DistributedOptimizer`` wraps methods Keras 3 never calls,
 not averaged across ranks and every rank trains its own model without a word; its callbacks crash
 on Keras 3 variables (``'Variable' object has no attribute 'ref'``). Keras 2 is ``tf.keras`` with
 tf-keras installed and ``TF_USE_LEGACY_KERAS=1`` (the runner sets it for every rank unless the user
-did, see ``host.base_env``); ``import keras`` is Keras 3 whatever that variable says.
+did, see ``task.barrier.base_env``); ``import keras`` is Keras 3 whatever that variable says.
 
 Why an import hook in the rank process: the Keras objects only exist inside the training
 function, so the driver cannot see them before the job starts. Every rank process calls

@@ -1,0 +1,407 @@
+"""One attempt: one barrier stage, plan -> start -> supervise -> collect (``np < 0``: the driver's own
+rank processes, no Spark job).
+
+An attempt owns what lives for one stage: its secret, the channel the tasks and ranks report to, the
+events and the supervisor that decides on them. The run that drives it (``runner.HorovodRunner.run``)
+owns the options, the payload, the artifact folder and the versions committed so far, and commits
+the end. The supervisor stays pure: this module carries out its actions (``act``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import os
+import pickle
+import platform
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+
+from airflow_provider_horovod.exceptions import HorovodRunError, InsufficientSlotsError, RunCancelledError, rank_error
+from airflow_provider_horovod.runner import messages, names, procs, wire
+from airflow_provider_horovod.runner.dataset import DatasetSpec, prepare_dataset
+from airflow_provider_horovod.runner.dataset import describe as describe_dataset
+from airflow_provider_horovod.runner.driver import executors
+from airflow_provider_horovod.runner.driver.channel import Channel, RankOutput
+from airflow_provider_horovod.runner.driver.supervisor import (
+    Action,
+    CutOff,
+    PlanError,
+    Release,
+    SendPlan,
+    SendStart,
+    Stop,
+    Supervisor,
+    Upload,
+)
+from airflow_provider_horovod.runner.environment import stack_of_this_host
+from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport
+from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
+from airflow_provider_horovod.runner.stall import stall_in
+from airflow_provider_horovod.runner.task.barrier import (
+    ERROR_MARKER,
+    RunSpec,
+    TaskFailure,
+    check_facts,
+    parse_failure,
+    run_local,
+)
+from airflow_provider_horovod.runner.text import one_line, quoted, quoted_text
+from airflow_provider_horovod.runner.versions import VersionSink
+
+if TYPE_CHECKING:
+    from airflow_provider_horovod.runner.driver.runner import HorovodRunner
+
+log = logging.getLogger(__name__)
+
+RESULT_SCHEMA = "partition int, kind string, seq int, data binary"
+
+
+def _in_thread(name: str, work: Callable[[], Any], events: queue.Queue) -> threading.Thread:
+    """Run ``work`` in a daemon thread; its end (value or error) becomes a ``JobEnded`` event."""
+
+    def target() -> None:
+        try:
+            value = work()
+        except BaseException as err:  # noqa: BLE001 - the supervisor decides what it means
+            events.put(JobEnded(error=err, failure=parse_failure(str(err))))
+        else:
+            events.put(JobEnded(value=value))
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+
+
+def checked_plan(driver_python: str, driver_stack: dict[str, str], facts: list[TaskFacts]) -> Plan:
+    """The driver's planner: the plan of ``facts``, or ``PlanError`` when ``check_facts`` refuses them."""
+    failure = check_facts(driver_python, facts, driver_stack)
+    if failure is not None:
+        raise PlanError(failure)
+    return make_plan(facts)
+
+
+class Attempt:
+    """One barrier stage of a run (see the module's docstring)."""
+
+    def __init__(self, runner: HorovodRunner, run_id: str, payload: bytes, report: RunReport,
+                 staging: Path | None, sink: VersionSink | None) -> None:
+        self.runner = runner
+        self.run_id = run_id
+        self.payload = payload
+        self.report = report
+        self.events: queue.Queue = queue.Queue()
+        self.secret = wire.new_secret()
+        self.channel = Channel(self.secret, run_id=run_id, on_event=self.events.put, artifact_staging=staging,
+                               resume_root=runner.resume_from, limits=runner.artifact_limits, versions=sink,
+                               on_report=runner.on_report,
+                               output=RankOutput(stream_all=runner.driver_log_verbosity == "all"))
+        self.supervisor: Supervisor | None = None
+        self.workers_python = "python3"  # what the executors were asked to run, for the error that names it
+        self.slots: int | None = None
+
+    def run(self) -> Any:
+        """Plan, start, supervise and collect: rank 0's return value, or the error that says what happened."""
+        spec = self._spec(self.run_id, self.secret, self.payload, None)
+        start = self._run_local if self.runner.np < 0 else self._run_spark
+        self.supervisor = start(spec, self.channel, self.events)
+        return self._outcome(self.supervisor, self.channel)
+
+    def cancel(self) -> None:
+        """From any thread: the supervisor stops the ranks; ``run`` then raises ``RunCancelledError``."""
+        self.events.put(CancelRequested())
+
+    @property
+    def upload(self) -> Upload:
+        """How far rank 0's final hand-over came."""
+        return self.supervisor.upload if self.supervisor is not None else Upload.NONE
+
+    @property
+    def marks(self) -> dict[str, float]:
+        return dict(self.supervisor.marks) if self.supervisor is not None else {}
+
+    def close(self) -> None:
+        self.channel.close()
+
+    # -- phases ---------------------------------------------------------------------------------
+    def _spec(self, run_id: str, secret: bytes, payload: bytes, channel: tuple[str, int] | None) -> RunSpec:
+        return RunSpec(
+            run_id=run_id,
+            secret=secret,
+            payload=payload,
+            launcher=self.runner.launcher,
+            verbosity=self.runner.driver_log_verbosity,
+            channel=channel,
+            env=self.runner.env,
+            driver_python=platform.python_version(),
+            stall_timeout_s=self.runner.stall_timeout,
+            driver_stack=stack_of_this_host(horovod=self.runner.launcher.runs_horovod),
+            timeline=self.runner.timeline,
+            collect_artifacts=self.runner.artifact_dir is not None,
+            has_resume=self.runner.resume_from is not None,
+            resume_local=str(self.runner.resume_from) if (self.runner.resume_from is not None and self.runner.np < 0) else None,
+        )
+
+    def _run_local(self, spec: RunSpec, channel: Channel, events: queue.Queue) -> Supervisor:
+        spec = dataclasses.replace(spec, channel=channel.start("127.0.0.1"))
+        self.report.coordination = "local"
+        sup = Supervisor(0, coordinated=False, planner=make_plan, deadlines=self.runner.deadlines, now=time.monotonic())
+        task = names.TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "local", os.getpid())))
+        channel.expect_artifacts_from(task.path)  # the one folder the driver copies artifacts from
+        _in_thread("hvdrunner-local", lambda: run_local(spec, -self.runner.np, task), events)
+
+        def act(action: Action) -> None:
+            if isinstance(action, (Stop, CutOff)):
+                procs.kill_all()  # the ranks (or mpirun) this process started; rank 0's folder still goes up
+            if isinstance(action, CutOff):
+                channel.close()
+
+        self._supervise(sup, events, act)
+        return sup
+
+    def _run_spark(self, spec: RunSpec, channel: Channel, events: queue.Queue) -> Supervisor:
+        spark = self.runner.session()
+        self._check_conf(spark)
+        source, dataset = self._input(spark)
+        self._wait_for_slots(spark)
+        address = channel.start(self._driver_host(spark))
+        if address is None and self.runner.resume_from is not None:
+            raise HorovodRunError("resume_from needs the executors to reach the driver, and this driver cannot listen "
+                                  "for them. Put the checkpoint where the training function can read it instead.")
+        spec = dataclasses.replace(spec, channel=address, dataset=dataset)
+        tag = "hvdrunner-%s" % spec.run_id
+        report = self.report
+        report.spark_ui_url, report.job_tag = self._ui_url(spark), tag
+        report.coordination = "channel" if address is not None else "spark"
+        entry = executors.task_entry(pickle.dumps(spec), ERROR_MARKER, "spark_task",
+                                     executors.needed_modules(self.runner.launcher.runs_horovod))
+        self.workers_python = executors.workers_python(spark)
+        with executors.python_of_workers(spark):
+            df = source.mapInArrow(entry, RESULT_SCHEMA, barrier=True)
+
+        def collect() -> list[Any]:
+            spark.addTag(tag)
+            try:
+                return df.collect()
+            finally:
+                with contextlib.suppress(Exception):
+                    spark.removeTag(tag)
+
+        planner = functools.partial(checked_plan, spec.driver_python, spec.driver_stack)
+        sup = Supervisor(self.runner.np, coordinated=address is not None, planner=planner, deadlines=self.runner.deadlines,
+                         now=time.monotonic())
+        _in_thread("hvdrunner-job-%s" % spec.run_id, collect, events)
+
+        def act(action: Action) -> None:
+            if isinstance(action, SendPlan):
+                channel.record({"kind": "plan", "slots": slot_summary(action.plan)})
+                channel.expect_plan(action.plan)
+                channel.send_tasks(messages.Planned(action.plan))
+            elif isinstance(action, SendStart):
+                channel.send_tasks(messages.Start())
+            elif isinstance(action, Release):
+                channel.send_tasks(messages.Release())
+            elif isinstance(action, Stop):
+                channel.send_tasks(messages.Stop())
+            elif isinstance(action, CutOff):
+                log.info("The barrier tasks did not end after the stop request (%s); cutting them off", sup.reason)
+                channel.close()  # tasks take the hang-up as cancel and stop at once
+                with contextlib.suppress(Exception):
+                    spark.interruptTag(tag)
+
+        self._supervise(sup, events, act)
+        if sup.job_ended is None:
+            with contextlib.suppress(Exception):
+                spark.interruptTag(tag)
+        return sup
+
+    def _input(self, spark: Any) -> tuple[Any, DatasetSpec | None]:
+        """The barrier stage's input: ``np`` rows, or the dataset in ``np`` balanced partitions."""
+        if self.runner.dataset is None:
+            return spark.range(self.runner.np, numPartitions=self.runner.np), None
+        source, spec = prepare_dataset(spark, self.runner.dataset, self.runner.np)
+        log.info("Dataset %s: %d rows in %d shards of %d to %d rows", describe_dataset(self.runner.dataset), spec.total_rows,
+                 spec.shards, spec.shard_rows(spec.shards - 1), spec.shard_rows(0))
+        return source, spec
+
+    def _supervise(self, sup: Supervisor, events: queue.Queue, act: Callable[[Action], None]) -> None:
+        """Feed the supervisor every event and the passing time; carry out what it decides.
+
+        An exception raised into this thread meanwhile (Ctrl-C, or a signal handler's error such as
+        Airflow's ``execution_timeout``) cancels the run, which still ends the usual way: ranks
+        stopped, rank 0's artifacts handed over and committed. ``run()`` then re-raises it
+        (``RunCancelledError`` for Ctrl-C).
+        """
+        while not sup.done:
+            try:
+                try:
+                    event = events.get(timeout=sup.next_wakeup(time.monotonic()))
+                except queue.Empty:
+                    event = None
+                actions = sup.handle(event, time.monotonic()) if event is not None else []
+                actions += sup.tick(time.monotonic())
+                for action in actions:
+                    act(action)
+            except BaseException as err:  # noqa: BLE001 - every interruption becomes a clean cancel
+                if not isinstance(err, KeyboardInterrupt) and self.runner._interrupt is None:
+                    self.runner._interrupt = err
+                self.runner._cancelled.set()
+                events.put(CancelRequested())
+
+    # -- the verdict ------------------------------------------------------------------------------
+    def _outcome(self, sup: Supervisor, channel: Channel) -> Any:
+        """Rank 0's return value, or the error that says what happened."""
+        if sup.reason == "cancel" or self.runner._cancelled.is_set():
+            raise RunCancelledError("The Horovod job was cancelled; every rank was stopped.")
+        if sup.reason == "timeout":
+            raise InsufficientSlotsError(
+                "Only %d of %d barrier tasks started within start_timeout=%ss. The cluster has %s; "
+                "lower np or add executors." % (len(sup.started), self.runner.np, self.runner.start_timeout, self._slots_text())
+            )
+        if sup.cause is not None:
+            raise self._error(sup.cause, channel, sup.failures)
+        job = sup.job_ended
+        if job is None:
+            raise HorovodRunError("The Spark job did not return after it was cut off; see the Spark UI.")
+        if job.error is not None:
+            if isinstance(job.error, TaskFailure):
+                raise self._error(job.error.failure, channel) from None
+            raise self._spark_error(job.error, channel) from None
+        if self.runner.np < 0:
+            return cloudpickle.loads(job.value)
+        return self._collect(job.value, channel)
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _check_conf(self, spark: Any) -> None:
+        def conf(key: str, default: str = "") -> str:
+            with contextlib.suppress(Exception):
+                return spark.conf.get(key, default) or default
+            return default
+
+        if conf("spark.dynamicAllocation.enabled", "false").lower() == "true":
+            raise HorovodRunError(
+                "Spark dynamic allocation is enabled, and barrier stages cannot run with it. Set "
+                "spark.dynamicAllocation.enabled=false for this session (or its connection's extras)."
+            )
+
+    def _available_slots(self, spark: Any) -> int | None:
+        """How many barrier tasks the cluster can run at once (classic sessions only)."""
+        with contextlib.suppress(Exception):
+            sc = spark.sparkContext
+            jsc = sc._jsc.sc()
+            profile = jsc.resourceProfileManager().defaultResourceProfile()
+            return int(jsc.maxNumConcurrentTasks(profile))
+        return None
+
+    def _wait_for_slots(self, spark: Any) -> None:
+        self.slots = self._available_slots(spark)
+        if self.slots is None:
+            return
+        deadline = time.monotonic() + self.runner.start_timeout
+        while self.slots < self.runner.np:
+            if time.monotonic() > deadline or self.runner._cancelled.is_set():
+                raise InsufficientSlotsError(
+                    "np=%d needs %d barrier slots, but the cluster has %d (executor cores / "
+                    "spark.task.cpus, and GPUs per task where set) after waiting start_timeout=%gs. "
+                    "Lower np, add executors, or raise start_timeout when other jobs hold the slots."
+                    % (self.runner.np, self.runner.np, self.slots, self.runner.start_timeout)
+                )
+            time.sleep(0.5)
+            self.slots = self._available_slots(spark) or 0
+
+    def _slots_text(self) -> str:
+        return "%d slots available" % self.slots if self.slots is not None else "an unknown number of slots"
+
+    @staticmethod
+    def _driver_host(spark: Any) -> str:
+        with contextlib.suppress(Exception):
+            host = spark.conf.get("spark.driver.host")
+            if host:
+                import socket
+
+                return socket.gethostbyname(host)
+        return "127.0.0.1"
+
+    @staticmethod
+    def _ui_url(spark: Any) -> str | None:
+        with contextlib.suppress(Exception):
+            return spark.sparkContext.uiWebUrl
+        return None
+
+    # -- results and errors ---------------------------------------------------------------------
+    def _collect(self, rows: list[Any], channel: Channel) -> Any:
+        chunks: dict[str, list[tuple[int, int, bytes]]] = {}
+        for row in rows:
+            chunks.setdefault(row["kind"], []).append((row["partition"], row["seq"], bytes(row["data"])))
+        for _, _, data in sorted(chunks.get("logs", [])):
+            for rank, lines in json.loads(data).items():
+                channel.lines(int(rank), lines)
+        result = b"".join(data for _, _, data in sorted(chunks.get("result", [])))
+        if not result:
+            raise HorovodRunError("Rank 0 finished but its return value did not come back.")
+        return cloudpickle.loads(result)
+
+    def _error(self, failure: Failure, channel: Channel, others: list[Failure] = ()) -> HorovodRunError:
+        self.report.error = failure.to_json()
+        return run_error(failure, channel.tails(), others, launcher=self.runner.launcher,
+                         stall_timeout=self.runner.stall_timeout)
+
+    def _spark_error(self, err: BaseException, channel: Channel) -> HorovodRunError:
+        if self.runner._cancelled.is_set():
+            return RunCancelledError("The Horovod job was cancelled; the Spark job was interrupted.")
+        text = str(err)
+        failure = parse_failure(text)
+        if failure is not None:
+            return self._error(failure, channel)
+        if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
+            found = re.search(r"different version \(?([\d, .]+)\)? than that in driver ([\d.]+)", text)
+            executor = found.group(1).replace(", ", ".").strip() if found else "another version"
+            return HorovodRunError(
+                "Python %s on the executors differs from the driver's %s. Point PYSPARK_PYTHON (or "
+                "spark.pyspark.python) at the same Python version on the driver and the executors."
+                % (executor, platform.python_version())
+            )
+        missing = executors.missing_module_text(text, self.workers_python, executors.needed_modules(self.runner.launcher.runs_horovod))
+        if missing is not None:
+            return HorovodRunError(missing)
+        return HorovodRunError("The Spark job running the Horovod ranks failed:\n%s" % quoted_text(str(err).strip()[:4000]))
+
+
+def run_error(failure: Failure, tails: dict[int, list[str]], others: list[Failure] = (), *, launcher: str,
+              stall_timeout: int) -> HorovodRunError:
+    """The user's error for ``failure``: who, how it ended, its last lines, then the launcher's words
+    (``tails``: every rank's last lines, as the channel has them; ``others``: the other hosts' reports)."""
+    cause = failure
+    if failure.rank is not None:
+        failure = failure.with_tail(tails.get(failure.rank, []))
+        tails[failure.rank] = list(failure.tail)
+    # what came from the ranks and the launcher is escaped as streamed rank lines are (runner.text)
+    message = one_line(failure.message)
+    stall = stall_in([failure.tail, *(other.tail for other in others), *tails.values()])
+    if stall is not None:  # Horovod's words say why the collectives broke: that comes first
+        # its "Will shutdown" line may die with rank 0; Horovod shuts down only after stall_timeout
+        stall = dataclasses.replace(stall, waited_s=max(stall.waited_s, stall_timeout))
+        message = "%s\n%s" % (one_line(stall.advice(stall_timeout)), message)
+    if failure.exit and failure.exit not in failure.message:
+        message += " (the process %s)" % one_line(failure.exit)
+    if not failure.traceback and failure.tail:
+        message += "\n\nLast %d lines of rank %s:\n%s" % (len(failure.tail), failure.rank, quoted(failure.tail))
+    if failure.launcher_output:
+        message += "\n\n%s said:\n%s" % (launcher, quoted(failure.launcher_output[-40:]))
+    for other in others:  # what the other hosts' daemons said, when they said anything
+        if other is not cause and other.rank is None and other.launcher_output:
+            message += "\n%s" % quoted(other.launcher_output[-20:])
+    return rank_error(failure.error_class, message, rank=failure.rank, host=failure.host,
+                      remote_traceback=failure.traceback or None, log_tail=tails)

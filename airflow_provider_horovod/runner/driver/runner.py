@@ -1,0 +1,263 @@
+"""``HorovodRunner(np).run(main, **kwargs)``: the seed's API. A run checks its input, drives its
+attempt (one barrier stage, ``attempt.py``) and commits what rank 0 handed over at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_horovod.exceptions import ArtifactError, RunCancelledError
+from airflow_provider_horovod.runner.artifacts import Limits, check_writable, commit
+from airflow_provider_horovod.runner.dataset import check_dataset
+from airflow_provider_horovod.runner.driver import executors
+from airflow_provider_horovod.runner.driver.attempt import Attempt
+from airflow_provider_horovod.runner.driver.channel import Channel
+from airflow_provider_horovod.runner.driver.supervisor import Deadlines, Upload
+from airflow_provider_horovod.runner.environment import require_training_stack
+from airflow_provider_horovod.runner.events import RunReport, RunStatus
+from airflow_provider_horovod.runner.messages import Report
+from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, DEFAULT_START_TIMEOUT_S, Launcher, check_options
+from airflow_provider_horovod.runner.payload import build_payload, describe
+from airflow_provider_horovod.runner.stall import whole_seconds
+from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, Version, VersionSink, check_keep
+from airflow_provider_horovod.runner.versions import committed as committed_versions
+
+log = logging.getLogger(__name__)
+
+
+
+class HorovodRunner:
+    """Run a training function as a Horovod job, in one barrier-mode Spark stage.
+
+    :param np: ``np > 0``: that many barrier tasks, one rank each. ``np < 0``: ``-np`` rank
+        processes on the driver, with no Spark job (to try the training function first).
+    :param launcher: ``"mpirun"`` (the default, as in the original HorovodRunner), ``"gloo"``, or
+        ``"torch"``: torch.distributed's own contract as ``torchrun`` sets it (``MASTER_ADDR``, ``RANK``,
+        ``WORLD_SIZE``, ``LOCAL_RANK``, ...), so unmodified DDP, FSDP or ``accelerate`` code runs; it
+        needs torch and no Horovod (``stall_timeout`` and ``timeline`` are Horovod's: not under torch).
+    :param driver_log_verbosity: ``"all"`` streams every rank's output to the driver;
+        ``"log_callback_only"`` streams only ``runtime.log_to_driver`` messages. The lines go to the
+        ``airflow_provider_horovod.ranks`` logger when logging is configured, else to stdout.
+    :param spark: the SparkSession to use; else the active one; else ``getOrCreate()``.
+    :param env: extra environment variables for every rank process.
+    :param start_timeout: seconds to wait for enough barrier slots and for all tasks to start.
+    :param stall_timeout: seconds a collective may wait for a rank that never submits it (uneven
+        batches, an exception swallowed on one rank) before Horovod shuts the job down and the run
+        fails naming that rank and tensor (600 by default; whole seconds, rounded up). It sets
+        Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` and ``HOROVOD_STALL_CHECK_TIME_SECONDS``.
+    :param timeline: record a Horovod timeline on rank 0 and bring it back (needs ``artifact_dir``).
+    :param artifact_dir: a local folder to commit rank 0's checkpoints and timeline into.
+    :param resume_from: a checkpoint folder every rank sees as ``runtime.resume_dir()``.
+    :param max_artifact_bytes: the most rank 0's artifacts may hold (1 TiB by default); a larger
+        hand-over fails the run with ``ArtifactError`` rather than fill the driver's disk.
+    :param max_artifact_files: the most files rank 0's artifacts may hold (100 000 by default).
+    :param keep_checkpoints: with ``artifact_dir``, how many checkpoint versions committed during
+        the run are kept in ``artifact_dir/versions/`` (2 by default; ``last_run.checkpoints``
+        lists every one committed).
+    :param on_checkpoint: called with each committed ``Version`` and its folder, from a thread of
+        the driver, before older versions are pruned (the operator stores it there).
+    :param on_report: called with each of rank 0's ``runtime.report`` calls that reached the driver
+        (coalesced: at most two a second, ``runner.rank.reports``), a ``messages.Report``, from a thread
+        of the driver while the ranks run; an exception it raises is logged, never fails the run.
+    :param dataset: training data for the ranks (``np > 0``): a ``pyspark.sql.DataFrame`` (classic
+        or Spark Connect), a table name, a Spark SQL query, or a callable ``spark -> DataFrame``.
+        It becomes the barrier stage's input in ``np`` partitions whose sizes differ by at most one
+        row; each task spills its partition to a local Arrow file, which its rank reads with
+        ``runtime.dataset()``. Checked on the driver before any rank starts (``DatasetError``).
+    """
+
+    def __init__(
+        self,
+        np: int,
+        *,
+        launcher: str = Launcher.MPIRUN,
+        driver_log_verbosity: str = "all",
+        spark: Any = None,
+        env: dict[str, str] | None = None,
+        start_timeout: float = DEFAULT_START_TIMEOUT_S,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
+        timeline: bool = False,
+        artifact_dir: str | os.PathLike[str] | None = None,
+        resume_from: str | os.PathLike[str] | None = None,
+        max_artifact_bytes: int = Limits.max_bytes,
+        max_artifact_files: int = Limits.max_files,
+        keep_checkpoints: int = DEFAULT_KEEP,
+        on_checkpoint: Callable[[Version, Path], None] | None = None,
+        dataset: Any = None,
+        on_report: Callable[[Report], None] | None = None,
+    ) -> None:
+        if isinstance(np, bool) or not isinstance(np, int):
+            raise ValueError("np must be a non-zero int (np > 0: barrier tasks, np < 0: local processes); got %r" % (np,))
+        if np == 0:
+            raise ValueError("np must be non-zero: np > 0 runs np barrier tasks, np < 0 runs -np processes on the driver")
+        check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
+                      max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline,
+                      stall_timeout=stall_timeout)
+        env = dict(env or {})
+        bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
+        if bad:
+            raise ValueError("env must map str to str; fix %s" % ", ".join(map(repr, bad)))
+        check_dataset(dataset)
+        if dataset is not None and np < 0:
+            raise ValueError("dataset= needs np > 0: the dataset reaches the ranks through the barrier stage, and "
+                             "np < 0 runs no Spark job. Use np > 0 (local[N] Spark runs on this machine too).")
+        if resume_from is not None and not Path(resume_from).is_dir():
+            raise ValueError("resume_from must be an existing folder; %s is not" % (resume_from,))
+        self.artifact_limits = Limits(max_bytes=max_artifact_bytes, max_files=max_artifact_files)
+        self.keep_checkpoints = check_keep(keep_checkpoints)
+        self.on_checkpoint = on_checkpoint
+        self.on_report = on_report
+        self.np = np
+        self.launcher = Launcher(launcher)
+        self.driver_log_verbosity = driver_log_verbosity
+        self.env = env
+        self.deadlines = Deadlines(start_s=float(start_timeout))
+        self.start_timeout = self.deadlines.start_s
+        self.stall_timeout = whole_seconds(stall_timeout)
+        self.timeline = bool(timeline)
+        self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else None
+        self.resume_from = Path(resume_from).resolve() if resume_from is not None else None
+        self.dataset = dataset
+        self._spark = spark
+        self._cancelled = threading.Event()
+        self._interrupt: BaseException | None = None  # an exception raised into run() while supervising
+        self._attempt: Attempt | None = None  # the barrier stage running now
+        self.last_run = RunReport(run_id="", np=np, launcher=self.launcher, status=RunStatus.NOT_STARTED)
+
+    # -- public ---------------------------------------------------------------------------------
+    def run(self, main: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``main(*args, **kwargs)`` on every rank and return rank 0's return value."""
+        require_training_stack(self.launcher)  # before Spark starts: a light install fails here, naming the fix
+        payload = build_payload(main, args, kwargs)
+        artifact_dir = self.artifact_dir and check_writable(self.artifact_dir)
+        if self.timeline and artifact_dir is None:
+            raise ValueError("timeline=True needs an artifact_dir to bring the timeline back to")
+        self._cancelled.clear()
+        self._interrupt = None
+        run_id = uuid.uuid4().hex[:12]
+        started = time.monotonic()
+        report = self.last_run = RunReport(run_id=run_id, np=self.np, launcher=self.launcher,
+                                           artifact_dir=str(artifact_dir) if artifact_dir else None)
+        log.info("Starting Horovod job %s: %s on %d %s with %s", run_id, describe(main), abs(self.np),
+                 "barrier tasks" if self.np > 0 else "local processes", self.launcher)
+        staging = artifact_dir / (".incoming-%s" % run_id) if artifact_dir else None
+        sink = VersionSink(artifact_dir, keep=self.keep_checkpoints, limits=self.artifact_limits,
+                           on_commit=self.on_checkpoint) if artifact_dir else None
+        attempt = self._attempt = Attempt(self, run_id, payload, report, staging, sink)
+        if self._cancelled.is_set():
+            attempt.cancel()
+        result = None
+        try:
+            with self._signals():
+                try:
+                    result = attempt.run()
+                    report.status = RunStatus.SUCCESS
+                except RunCancelledError:
+                    report.status = RunStatus.CANCELLED
+                    if self._interrupt is not None:  # e.g. Airflow's execution_timeout: the caller's own error
+                        raise self._interrupt from None
+                    raise
+                except BaseException:
+                    report.status = RunStatus.FAILED
+                    raise
+                finally:
+                    attempt.close()
+                    self._attempt = None
+                    report.events = attempt.channel.recorded()
+                    report.rejected_connections = attempt.channel.rejected
+                    report.duration_s = round(time.monotonic() - started, 3)
+                    report.phases = attempt.marks
+        finally:
+            if artifact_dir is not None and staging is not None:
+                self._commit(artifact_dir, staging, attempt.channel, attempt.upload, report, result, sink)
+        report.result = result
+        return result
+
+    def cancel(self) -> None:
+        """Interrupt the running job from any thread; every rank process goes with it."""
+        self._cancelled.set()
+        attempt = self._attempt
+        if attempt is not None:
+            attempt.cancel()
+
+    def session(self) -> Any:
+        """The SparkSession this runner uses: the one given, else the active one, else a new one
+        (with Spark's console progress bar off, so it never cuts through the ranks' lines; on a local
+        master its executors run the driver's interpreter unless ``PYSPARK_PYTHON`` or
+        ``spark.pyspark.python`` names one, see ``executors.give_driver_python``)."""
+        if self._spark is not None:
+            return self._spark
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            return active
+        created = SparkSession.builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
+        executors.give_driver_python(created)
+        return created
+
+    def _commit(self, artifact_dir: Path, staging: Path, channel: Channel, upload: Upload, report: RunReport,
+                result: Any, sink: VersionSink) -> None:
+        """The end of the run's commits: what rank 0 handed over last goes into ``artifact_dir``,
+        marker last (each checkpoint version was committed as it came, by ``sink``)."""
+        with sink.lock:  # a version still being committed comes first
+            report.checkpoints = [v.to_json() for v in sink.committed]
+            report.checkpoint_errors = list(sink.errors)
+            shutil.rmtree(sink.staging, ignore_errors=True)  # a version cut off at the end (the hand-over has it)
+        complete = upload == Upload.DONE and channel.upload_error is None
+        if upload == Upload.NONE and report.status == RunStatus.SUCCESS and channel.address is None:
+            complete = True  # no channel to hand anything over (Spark's fallback): an empty, complete run
+            staging.mkdir(parents=True, exist_ok=True)
+        try:
+            info = commit(artifact_dir, staging, status=report.status, complete=complete, run_id=report.run_id,
+                          received=channel.received, extra={"np": self.np, "launcher": self.launcher})
+        except OSError as err:
+            raise ArtifactError("Cannot commit artifacts to %s (%s)." % (artifact_dir, err), result=result) from err
+        log.info("Artifacts of run %s (%s, %s): %d files in %s", report.run_id, report.status,
+                 "complete" if info["complete"] else "INCOMPLETE", len(info["files"]), artifact_dir)
+        report.artifacts = info
+        report.artifact_transfer_s = channel.upload_seconds
+        report.artifact_transport = channel.transport
+        report.artifact_bytes = sum(f["size"] for f in channel.received)
+        if info.get("timeline_summary"):
+            report.timeline_path = str(artifact_dir / info["timeline"])
+            report.timeline_summary_path = str(artifact_dir / info["timeline_summary"])
+            report.timeline_picture_path = str(artifact_dir / info["timeline_picture"])
+        if info.get("checkpoint"):
+            report.checkpoint_path = str(artifact_dir / info["checkpoint"])
+        elif committed_versions(artifact_dir):
+            report.checkpoint_path = str(committed_versions(artifact_dir)[-1][1])
+        if not info["complete"] and report.status == RunStatus.SUCCESS:
+            raise ArtifactError("Rank 0's artifacts did not reach %s (%s); the run itself succeeded."
+                                % (artifact_dir, channel.upload_error or "rank 0's task never handed them over"),
+                                result=result)
+
+    @contextlib.contextmanager
+    def _signals(self):
+        """SIGTERM during ``run()`` cancels the job, then goes to whatever handled it before."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_term(signum, frame):
+            self.cancel()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, on_term)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,117 @@
+"""The operator's resume step (which checkpoint a try starts from) and its store steps (each version
+as it comes, the try's end), on a real local artifact store: no Spark, no ranks."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import cloudpickle
+
+from airflow_provider_horovod import store
+from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
+from airflow_provider_horovod.runner.artifacts import commit
+from airflow_provider_horovod.runner.events import RunReport, RunStatus
+from airflow_provider_horovod.runner.versions import Version
+
+
+def train():
+    return 1
+
+
+class StateStore:
+    """Airflow 3.3's ``task_state_store`` accessor, as the operator sees it: ``get`` and ``set``."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, object] = {}
+
+    def get(self, key: str, default: object = None) -> object:
+        return self.values.get(key, default)
+
+    def set(self, key: str, value: object, **_: object) -> None:
+        self.values[key] = json.loads(json.dumps(value))  # JSON values only, as Airflow stores them
+
+
+def operator(root: Path, **kwargs) -> HorovodRunnerOperator:
+    return HorovodRunnerOperator(task_id="train", training_callable=train, np=2, artifact_root=str(root), **kwargs)
+
+
+def context(try_number: int, state: StateStore | None = None) -> dict:
+    return {"ti": SimpleNamespace(try_number=try_number), "task_state_store": state}
+
+
+def try_folder(root: Path, try_number: int):
+    return store.prepare_try(str(root), dag_id="d", run_id="r", task_id="train", try_number=try_number)
+
+
+def local_version(tmp_path: Path, seq: int, step: int) -> tuple[Path, Version]:
+    folder = tmp_path / ("local-%d" % seq)
+    folder.mkdir()
+    (folder / "model.pt").write_text("weights at step %d" % step)
+    version = Version(seq=seq, step=step, time=time.time(), size=len("weights at step %d" % step),
+                      files=(("model.pt", len("weights at step %d" % step)),))
+    return folder, version
+
+
+def test_the_version_sink_commits_each_version_into_the_store_and_records_it_for_the_next_try(tmp_path):
+    root, state = tmp_path / "root", StateStore()
+    op, folder = operator(root, keep_checkpoints=1), try_folder(root, 1)
+    commit = op._version_sink(folder, context(1, state))
+    for seq, step in ((1, 10), (2, 20)):
+        folder_, version = local_version(tmp_path, seq, step)
+        commit(version, folder_)
+    assert [(v.seq, v.step) for v, _ in store.versions(folder)] == [(2, 20)]  # keep_checkpoints=1 pruned the first
+    recorded = state.values[store.STATE_KEY]
+    assert (recorded["seq"], recorded["step"], recorded["try_number"]) == (2, 20, 1)
+    assert (store.storage_path(recorded["uri"]) / "model.pt").read_text() == "weights at step 20"
+
+
+def test_a_retry_resumes_from_what_task_state_store_recorded_copied_to_a_local_folder(tmp_path):
+    root, state = tmp_path / "root", StateStore()
+    op, first = operator(root), try_folder(root, 1)
+    local_folder, version = local_version(tmp_path, 1, 10)
+    op._version_sink(first, context(1, state))(version, local_folder)
+    source, local = op._resume_from(try_folder(root, 2), context(2, state))
+    assert (source.try_number, source.step, source.seq) == (1, 10, 1)
+    assert (Path(local) / "model.pt").read_text() == "weights at step 10"
+
+
+def test_without_a_record_the_store_scan_finds_the_newest_version_of_the_newest_earlier_try(tmp_path):
+    root = tmp_path / "root"
+    op = operator(root)
+    for try_number, step in ((1, 5), (2, 7)):
+        scratch = tmp_path / ("try-%d" % try_number)
+        scratch.mkdir()
+        folder, version = local_version(scratch, 1, step)
+        op._version_sink(try_folder(root, try_number), context(try_number))(version, folder)
+    source, local = op._resume_from(try_folder(root, 3), context(3, StateStore()))
+    assert (source.try_number, source.step) == (2, 7)
+    assert (Path(local) / "model.pt").read_text() == "weights at step 7"
+
+
+def test_a_first_try_and_resume_never_start_from_scratch(tmp_path):
+    root, state = tmp_path / "root", StateStore()
+    local_folder, version = local_version(tmp_path, 1, 1)
+    first = try_folder(root, 1)
+    operator(root)._version_sink(first, context(1, state))(version, local_folder)
+    assert operator(root)._resume_from(first, context(1, state)) == (None, None)  # a first try has nothing earlier
+    assert operator(root, resume="never")._resume_from(try_folder(root, 3), context(3, state)) == (None, None)
+
+
+def test_the_try_store_keeps_a_result_that_is_not_json_beside_the_artifacts_and_says_where(tmp_path):
+    root, local, staging = tmp_path / "root", tmp_path / "engine", tmp_path / "engine" / ".incoming"
+    (staging / "checkpoints").mkdir(parents=True)
+    (staging / "checkpoints" / "final.pt").write_text("final")
+    commit(local, staging, status="success", complete=True, run_id="abc", received=[])  # the engine's end
+    folder = try_folder(root, 1)
+    report = RunReport(run_id="abc", np=2, launcher="torch", status=RunStatus.SUCCESS, duration_s=1.5)
+    xcom = operator(root, launcher="torch")._store(folder, str(local), {1, 2}, report, store.TryStatus.SUCCESS, 1,
+                                                   None, None)
+    assert xcom["result"]["type"] == "builtins.set" and xcom["launcher"] == "torch"
+    assert cloudpickle.loads(store.storage_path(xcom["result"]["artifact_uri"]).read_bytes()) == {1, 2}
+    assert store.storage_path(xcom["checkpoint_uri"]).name == "checkpoints"
+    marker = store.read_marker(folder)
+    assert marker.complete and marker.status == store.TryStatus.SUCCESS
+    assert marker.fields["launcher"] == "torch" and "checkpoints/final.pt" in marker.stored_files

@@ -1,0 +1,80 @@
+"""An attempt's verdict (``driver/attempt.py``): from where the supervisor ended to what ``run()``
+returns or raises, without Spark. The runs themselves are in tests/integration/test_runner.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cloudpickle
+import pytest
+
+from airflow_provider_horovod import HorovodRunError, HorovodRunner, InsufficientSlotsError, RunCancelledError
+from airflow_provider_horovod.runner.driver.attempt import Attempt
+from airflow_provider_horovod.runner.events import Failure, JobEnded, RunReport
+from airflow_provider_horovod.runner.task.barrier import TaskFailure, result_rows
+
+
+def attempt(np: int = 2, **options) -> Attempt:
+    runner = HorovodRunner(np, start_timeout=3, **options)
+    return Attempt(runner, "r1", b"payload", RunReport(run_id="r1", np=np, launcher=runner.launcher), None, None)
+
+
+def ended(reason: str | None = None, cause: Failure | None = None, job: JobEnded | None = None, started=()):
+    return SimpleNamespace(reason=reason, cause=cause, failures=[cause] if cause else [], job_ended=job,
+                           started=set(started))
+
+
+def test_each_attempt_has_its_own_secret_and_channel():
+    first, second = attempt(), attempt()
+    assert first.secret != second.secret and first.channel is not second.channel
+
+
+def test_a_cancel_is_a_cancel_whatever_else_ended():
+    one = attempt()
+    one.runner._cancelled.set()
+    with pytest.raises(RunCancelledError):
+        one._outcome(ended(cause=Failure("boom", rank=1)), one.channel)
+
+
+def test_too_few_tasks_started_names_the_count_the_timeout_and_the_slots():
+    one = attempt(np=4)
+    one.slots = 2
+    with pytest.raises(InsufficientSlotsError, match=r"Only 1 of 4 barrier tasks started within start_timeout=3.0s\. "
+                                                     r"The cluster has 2 slots available"):
+        one._outcome(ended(reason="timeout", started={0}), one.channel)
+
+
+def test_the_first_failure_becomes_the_users_error_and_the_run_reports_it():
+    one = attempt()
+    with pytest.raises(HorovodRunError) as info:
+        one._outcome(ended(cause=Failure("Rank 1 failed: ValueError: x", rank=1, host="hvdhost0")), one.channel)
+    assert info.value.rank == 1 and info.value.host == "hvdhost0"
+    assert one.report.error["rank"] == 1
+
+
+def test_a_task_failure_that_travelled_through_spark_is_that_failure():
+    one = attempt()
+    job = JobEnded(error=TaskFailure(Failure("Rank 0 on host hvdhost0 exited with code 3", rank=0)))
+    with pytest.raises(HorovodRunError, match="exited with code 3"):
+        one._outcome(ended(job=job), one.channel)
+
+
+def test_a_job_that_never_returned_after_the_cut_off_says_so():
+    one = attempt()
+    with pytest.raises(HorovodRunError, match="did not return after it was cut off"):
+        one._outcome(ended(), one.channel)
+
+
+def test_rank_zeros_value_comes_from_the_stage_rows_or_from_the_local_ranks():
+    value = {"loss": 0.5}
+    rows = result_rows(0, "result", cloudpickle.dumps(value), chunk=7)  # several chunks, put back in order
+    spark = attempt()
+    assert spark._outcome(ended(job=JobEnded(value=list(reversed(rows)))), spark.channel) == value
+    local = attempt(np=-2)
+    assert local._outcome(ended(job=JobEnded(value=cloudpickle.dumps(value))), local.channel) == value
+
+
+def test_rows_without_rank_zeros_value_are_an_error():
+    one = attempt()
+    with pytest.raises(HorovodRunError, match="return value did not come back"):
+        one._outcome(ended(job=JobEnded(value=[])), one.channel)

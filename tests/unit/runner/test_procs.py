@@ -1,0 +1,56 @@
+"""Child processes: argv lists only, a session of their own, killed whole, and the reaper that dies with its task."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from airflow_provider_horovod.runner import procs
+
+SLEEPER = [sys.executable, "-c", "import subprocess, sys, time; "
+           "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"]
+
+
+def _children_of(pid: int, n: int, timeout: float = 10.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = psutil.Process(pid).children(recursive=True)
+        if len(kids) >= n:
+            return kids
+        time.sleep(0.05)
+    raise AssertionError("the child never started its own child")
+
+
+def test_a_command_given_as_one_string_is_refused():
+    with pytest.raises(TypeError, match="argv must be a list"):
+        procs.spawn("sleep 1", {})
+
+
+def test_kill_tree_takes_down_the_childs_own_children_and_remembers_it_did():
+    proc = procs.spawn(SLEEPER, {}, stdin=subprocess.DEVNULL)
+    grandchild = _children_of(proc.pid, 1)[0]
+    assert os.getpgid(proc.pid) == proc.pid  # the leader of a group (and session) of its own
+    procs.kill_tree(proc, grace_s=1.0)
+    assert proc.poll() is not None and not procs.alive(grandchild.pid)
+    assert procs.killed_by_us(proc.pid)
+
+
+def test_the_reaper_ends_its_command_when_the_watched_process_dies():
+    watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    reaper = procs.spawn(procs.reaped(SLEEPER, watched.pid), {}, stdin=subprocess.DEVNULL)
+    command = _children_of(reaper.pid, 2)[0]  # the reaper's command and that command's own child
+    watched.kill()
+    watched.wait()
+    assert reaper.wait(timeout=15) == 143  # a watchdog tick (0.5 s) and a kill later
+    assert not procs.alive(command.pid)
+
+
+def test_kill_all_stops_every_tree_this_process_started():
+    started = [procs.spawn(SLEEPER, {}, stdin=subprocess.DEVNULL) for _ in range(2)]
+    procs.kill_all(grace_s=1.0)
+    assert [p.poll() is not None for p in started] == [True, True]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from airflow.sdk import BaseOperator
     from airflow.sdk.types import TaskInstanceKey
 
-VIEW_ROUTE = "horovod"  # the plugin's ``url_route`` (airflow_provider_horovod.plugins.horovod.URL_ROUTE)
+VIEW_ROUTE = "horovod"  # the Horovod view's tab: the plugin's ``url_route`` (``plugins/horovod.py``)
 
 
 class _XComLink(BaseOperatorLink):

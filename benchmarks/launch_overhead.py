@@ -18,7 +18,8 @@ Every contender runs the same no-op job with 2 ranks: ``hvd.init()``, one ``hvd.
 * ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(fn)`` on the same
   session (distributed mode: one barrier task per process, ``torchrun`` in each).
 
-Each contender gets one untimed warm-up run; then the contenders alternate for ``--rounds`` rounds
+Each contender gets one untimed warm-up run; then the contenders alternate for ``--rounds`` rounds,
+in an order shuffled anew each round, each after an untimed settling job (``Contenders.settle``),
 and the script prints the median wall time of each and the ratios against the targets of issue 34
 (runner mpirun <= 0.5x ``horovodrun --mpi``, runner gloo <= 0.5x ``horovodrun --gloo``, every
 launcher <= 0.30x TorchDistributor), all from this one run.
@@ -38,6 +39,7 @@ import dataclasses
 import inspect
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -170,6 +172,14 @@ class Contenders:
     def runner_torch(self) -> dict:
         return self.runner("torch")
 
+    def settle(self) -> None:
+        """Between two contenders, untimed: a small Python job on the session, so the next contender
+        starts on warm Python workers whatever the previous one left (TorchDistributor's tasks end
+        their workers; after it the next Spark job paid ~0.3-1.7 s for new ones), then a second for
+        the processes of the previous contender to be gone."""
+        self.spark.sparkContext.parallelize(range(2 * NP), NP).map(lambda x: x).count()
+        time.sleep(1.0)
+
     def torchdistributor(self) -> dict:
         from pyspark.ml.torch.distributor import TorchDistributor
 
@@ -288,11 +298,15 @@ def warm_up(c: Contenders, order: list[str]) -> None:
 
 
 def run_round(c: Contenders, rounds: Rounds, r: int, total: int) -> None:
-    """Round ``r``: every contender once, the start rotated so none always runs right after the same one."""
-    order = rounds.order
-    k = r % len(order)
+    """Round ``r``: every contender once, in an order shuffled anew each round (seeded by the round),
+    so that no contender always runs right after the same one. A rotation of one fixed order would
+    always put the same Spark contender right after the ``horovodrun`` subprocesses, which leave the
+    Spark session idle for ~13 s: the first Spark job after that pause plans ~0.4 s later."""
+    order = list(rounds.order)
+    random.Random(r).shuffle(order)
     line, got = [], []
-    for name in order[k:] + order[:k]:
+    for name in order:
+        c.settle()
         wall, split, err = timed(getattr(c, name))
         if err:
             rounds.errors[name].append(err)

@@ -332,10 +332,15 @@ class HorovodRunnerHook(BaseHook):
     def resume_roots(cls, artifact_root: str | None) -> list[str]:
         """Where a ``resume`` URI may point: the task's artifact root (or the default) and
         ``[horovod] resume_extra_roots`` (comma-separated)."""
+        return [artifact_root or cls.default_artifact_root(), *cls.configured_roots("resume_extra_roots")]
+
+    @staticmethod
+    def configured_roots(option: str) -> list[str]:
+        """The roots a ``[horovod]`` option lists, comma-separated (``resume_extra_roots``, ``view_extra_roots``)."""
         from airflow.sdk import conf
 
-        extra = conf.get("horovod", "resume_extra_roots", fallback="") or ""
-        return [artifact_root or cls.default_artifact_root()] + [r.strip() for r in extra.split(",") if r.strip()]
+        value = conf.get("horovod", option, fallback="") or ""
+        return [root.strip() for root in value.split(",") if root.strip()]
 
     def download(self, source: ObjectStoragePath | str, prefix: str = "hvd-resume-") -> str:
         """Copy a stored checkpoint folder (or file) to a new local temporary folder; return its path.

@@ -25,8 +25,10 @@ from urllib.parse import urlsplit
 
 from airflow.plugins_manager import AirflowPlugin
 
+from airflow_provider_horovod.links import VIEW_ROUTE
+
 URL_PREFIX = "/horovod"
-URL_ROUTE = "horovod"  # the UI's tab: /dags/<dag>/runs/<run>/tasks/<task>/plugin/horovod
+URL_ROUTE = VIEW_ROUTE  # the UI's tab: /dags/<dag>/runs/<run>/tasks/<task>/plugin/horovod
 VIEW_PATH = URL_PREFIX + "/dags/{DAG_ID}/runs/{RUN_ID}/tasks/{TASK_ID}?map_index={MAP_INDEX}"
 
 

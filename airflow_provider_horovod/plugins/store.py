@@ -50,14 +50,9 @@ def component(value: str, what: str) -> str:
 
 def roots() -> list[str]:
     """Where the view looks: ``[horovod] artifact_root`` (or its default) and ``[horovod] view_extra_roots``."""
-    from airflow.sdk import conf
-
     from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 
-    found = [HorovodRunnerHook.default_artifact_root()]
-    extra = conf.get("horovod", "view_extra_roots", fallback="") or ""
-    found += [r.strip() for r in extra.split(",") if r.strip()]
-    return found
+    return [HorovodRunnerHook.default_artifact_root(), *HorovodRunnerHook.configured_roots("view_extra_roots")]
 
 
 

@@ -25,6 +25,7 @@ ENV_RESUME_DIR = "HVDRUNNER_RESUME_DIR"  # where resume_from is on this host (ru
 ENV_TASK_DIR = "HVDRUNNER_TASK_DIR"  # the rank's task folder (runtime.checkpoint_dir)
 ENV_EXEC_SERVICES = "HVDRUNNER_EXEC_SERVICES"  # mpirun's rsh agent: {host: "addr:port"}
 ENV_ARTIFACT_TRANSPORT = "HVDRUNNER_ARTIFACT_TRANSPORT"  # driver: "stream" turns the same-host copy off
+ENV_BEFORE_MAIN = "HVDRUNNER_BEFORE_MAIN"  # "module:function" a launcher has its ranks call before the training function
 # The rank's place in the plan under every launcher (``plan.rank_env``). A launcher's own contract
 # is its module's ``slot_env``: ``HOROVOD_RANK`` & co only under Gloo, as ``horovodrun`` does (code in
 # the Horovod ecosystem reads "HOROVOD_RANK is set" as "launched with Gloo" and calls

@@ -39,6 +39,8 @@ def test_ddp_trains_in_sync_with_torchruns_environment_reports_commits_and_resum
     assert {e["GLOO_SOCKET_IFNAME"] for e in envs} == {"lo"} and {e["OMP_NUM_THREADS"] for e in envs} == {"1"}
     assert [r["horovod_env"] for r in result["ranks"]] == [[], []]  # torch's contract only
     assert [r["runtime"] for r in result["ranks"]] == [(0, 2, 0), (1, 2, 1)]
+    # rank 0's store was up before any rank connected: no client retried a second later
+    assert max(r["init_s"] for r in result["ranks"]) < 1.0
     assert "[rank 1] rank 1 of 2 up on %s:%s" % (envs[0]["MASTER_ADDR"], envs[0]["MASTER_PORT"]) in caplog.text
     assert reports and reports[-1].step == 3 and reports[-1].metrics["loss"] == pytest.approx(result["loss"])
     assert [v["step"] for v in runner.last_run.checkpoints][-1] == 3
@@ -62,7 +64,7 @@ def test_fsdp_shards_the_model_between_the_ranks_and_rank_0_commits_the_full_sta
     assert first["full"] == second["full"]  # one model, gathered from both ranks' shards
     assert first["local"]["0.weight"] + second["local"]["0.weight"] == 8 * 16  # each rank holds half of it
     assert first["local"]["0.weight"] < 8 * 16
-    assert [v["step"] for v in runner.last_run.checkpoints] == [3]
+    assert runner.last_run.checkpoints[-1]["step"] == 3  # the committed version (a first one may come with the file)
     assert (Path(runner.last_run.checkpoint_path) / "model.pt").exists()
 
 

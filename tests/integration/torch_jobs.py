@@ -7,7 +7,8 @@ import os
 import time
 
 TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GLOO_SOCKET_IFNAME",
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                "GLOO_SOCKET_IFNAME",
                 "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 
@@ -21,7 +22,9 @@ def ddp_job(steps: int = 6, lr: float = 0.1, use_dataset: bool = False, pause: f
 
     from airflow_provider_horovod import runtime
 
+    started = time.monotonic()
     dist.init_process_group("gloo")
+    init_s = time.monotonic() - started
     rank = dist.get_rank()
     print("rank %d of %d up on %s:%s" % (rank, dist.get_world_size(), os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]))
     torch.manual_seed(rank)  # different on purpose: DDP broadcasts rank 0's weights at construction
@@ -53,7 +56,7 @@ def ddp_job(steps: int = 6, lr: float = 0.1, use_dataset: bool = False, pause: f
     weights = [p.detach().flatten().tolist() for p in model.module.parameters()]
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, {"rank": rank, "env": {k: os.environ.get(k) for k in TORCHRUN_ENV},
-                                  "weights": weights, "start": start, "rows": len(x),
+                                  "weights": weights, "start": start, "rows": len(x), "init_s": init_s,
                                   "horovod_env": sorted(k for k in os.environ if k.startswith("HOROVOD_")),
                                   "runtime": (runtime.rank(), runtime.size(), runtime.local_rank())})
     dist.destroy_process_group()

@@ -83,8 +83,6 @@ def _in_thread(name: str, work: Callable[[], Any], events: queue.Queue) -> threa
     return thread
 
 
-
-
 def checked_plan(driver_python: str, driver_stack: dict[str, str], facts: list[TaskFacts]) -> Plan:
     """The driver's planner: the plan of ``facts``, or ``PlanError`` when ``check_facts`` refuses them."""
     failure = check_facts(driver_python, facts, driver_stack)

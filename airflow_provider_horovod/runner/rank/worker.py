@@ -201,6 +201,18 @@ def _close_reports() -> None:
         runtime._reporter.close()
 
 
+def _before_main() -> None:
+    """What this rank's launcher asks of every rank before the training function (its slot's
+    ``HVDRUNNER_BEFORE_MAIN``, ``module:function``), if anything."""
+    import importlib
+
+    from airflow_provider_horovod.runner.names import ENV_BEFORE_MAIN
+
+    module, _, function = os.environ.get(ENV_BEFORE_MAIN, "").partition(":")
+    if module:
+        getattr(importlib.import_module(module), function)()
+
+
 def _pickled_result(result: object) -> bytes:
     """Rank 0's return value, pickled; a ``PayloadError`` that says what to return instead."""
     import cloudpickle
@@ -228,6 +240,7 @@ def main() -> int:
         from airflow_provider_horovod.runner.payload import load_payload
 
         keras_guard.install()  # before unpickling can import horovod.tensorflow.keras
+        _before_main()
         fn, args, kwargs = load_payload(Path(os.environ[ENV_PAYLOAD]).read_bytes())
         result = fn(*args, **kwargs)
         if rank == 0:

@@ -88,6 +88,9 @@ def test_torch_env_is_torchruns_contract_on_the_plans_interface():
     assert [e.get("OMP_NUM_THREADS") for e in envs] == ["1", "1", None]  # as torchrun: several ranks share a host's CPUs
     assert "OMP_NUM_THREADS" not in torch_launcher.slot_env(plan, plan.slots[0], "r", ("a", 1), {"OMP_NUM_THREADS": "4"})
     assert not [k for e in envs for k in e if k.startswith("HOROVOD_")]
+    # torchrun's agent hosts the store; here rank 0's process does, before the training function
+    assert {e["TORCHELASTIC_USE_AGENT_STORE"] for e in envs} == {"True"}
+    assert {e["HVDRUNNER_BEFORE_MAIN"] for e in envs} == {"airflow_provider_horovod.runner.launchers.torch:before_main"}
 
 
 def test_torch_ranks_given_gpus_are_nodes_of_one_so_local_rank_names_their_own_gpu():

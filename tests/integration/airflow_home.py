@@ -29,6 +29,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -64,6 +65,8 @@ class AirflowHome:
         self.env.pop("AIRFLOW_CONN_SPARK_DEFAULT", None)
         self._server: subprocess.Popen | None = None
         self._socket = root / "dags-test.sock"
+        if len(str(self._socket)) > 100:  # AF_UNIX paths end at 108 bytes; mkdtemp's folder is 0700 as root's
+            self._socket = Path(tempfile.mkdtemp(prefix="hvd-dags-test-")) / "s"
         self._server_log = root / "dags-test-server.log"
         subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, check=True, capture_output=True, timeout=300)
 

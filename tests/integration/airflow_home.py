@@ -76,7 +76,7 @@ class AirflowHome:
                   ) -> subprocess.CompletedProcess:
         """``airflow dags test <dag_id> <args>`` in a process forked from the server (started on first use)."""
         argv = ["dags", "test", dag_id, *args]
-        forked = Forked(self._server_socket(), argv, env or {})
+        forked = Forked(self.start_server(), argv, env or {})
         out: list[bytes] = []
         err: list[bytes] = []
         readers = [threading.Thread(target=_drain, args=(forked.stdout, out), daemon=True),
@@ -96,7 +96,8 @@ class AirflowHome:
         return subprocess.CompletedProcess(["airflow", *argv], forked.returncode, b"".join(out).decode(errors="replace"),
                                            b"".join(err).decode(errors="replace"))
 
-    def _server_socket(self) -> Path:
+    def start_server(self) -> Path:
+        """The dags-test server's socket, once it is ready (started here if it is not running)."""
         if self._server is not None and self._server.poll() is None:
             return self._socket
         assert self._server is None, "the dags-test server died:\n" + self._server_log.read_text()[-6000:]
@@ -120,6 +121,9 @@ class AirflowHome:
             except subprocess.TimeoutExpired:
                 self._server.kill()
                 self._server.wait()
+        self._socket.unlink(missing_ok=True)
+        if self._socket.parent != self.root:
+            self._socket.parent.rmdir()
 
     # --- reading results back from the metadata database
 

@@ -44,10 +44,15 @@ KERAS_DAG_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def airflow(tmp_path_factory):
+def airflow(tmp_path_factory, mlflow_process):
+    # The MLflow server (its test is the module's last) starts first, so that its start-up (~6.5 s,
+    # mostly one core) runs beside the home's (db migrate, then the dags-test server: one core each).
     home = AirflowHome(tmp_path_factory.mktemp("airflow-e2e"))
-    yield home
-    home.close()
+    try:
+        home.start_server()
+        yield home
+    finally:
+        home.close()
 
 
 def local(uri: str) -> Path:
@@ -290,9 +295,10 @@ def test_bad_input_fails_before_training_with_errors_that_name_the_fix(airflow):
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
+def mlflow_process(tmp_path_factory):
     """A real ``mlflow server`` (from .venv-mlflow/, which scripts/setup makes) with its own
-    SQLite backend store and artifact folder, on a free port of 127.0.0.1."""
+    SQLite backend store and artifact folder, on a free port of 127.0.0.1: started, not waited for
+    (``mlflow_server`` waits)."""
     from tests.integration.deployment import free_port
 
     server_bin = REPO / ".venv-mlflow" / "bin" / "mlflow"
@@ -302,20 +308,8 @@ def mlflow_server(tmp_path_factory):
         [str(server_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", "sqlite:///%s" % (root / "mlflow.db"), "--artifacts-destination", str(root / "artifacts")],
         stdout=(root / "server.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = "http://127.0.0.1:%d" % port
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, (root / "server.log").read_text()[-3000:]
-            try:
-                import urllib.request
-
-                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "mlflow server did not come up:\n" + (root / "server.log").read_text()[-3000:]
-                time.sleep(0.5)
-        yield url
+        yield server, "http://127.0.0.1:%d" % port, root / "server.log"
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -323,6 +317,23 @@ def mlflow_server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(mlflow_process) -> str:
+    """The URL of ``mlflow_process``'s server once it answers ``/health``."""
+    import urllib.request
+
+    server, url, log = mlflow_process
+    deadline = time.monotonic() + 120
+    while True:
+        assert server.poll() is None, log.read_text()[-3000:]
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                return url
+        except OSError:
+            assert time.monotonic() < deadline, "mlflow server did not come up:\n" + log.read_text()[-3000:]
+            time.sleep(0.5)
 
 
 def test_mlflow_gets_one_run_per_try_from_the_driver_and_an_unreachable_server_only_warns(airflow, mlflow_server):

@@ -8,9 +8,9 @@ results back from the metadata database and from the artifact store.
 The CLI's process: the SIGTERM test starts the ``airflow`` console script itself (a new
 interpreter, as a user types it) and signals it. Every other test runs the same CLI code,
 ``airflow.__main__.main()`` with the same argv, in a process forked from one server per module
-that has already imported Airflow and built the in-process execution API: the ~12 s of one core
-that each ``airflow dags test`` spends on those before its task starts is paid once
-(``tests/integration/airflow_home.py``).
+that has already imported Airflow and built the in-process execution API: what each ``airflow dags
+test`` spends on those before its first task starts (~5 s of one core on an idle machine here, ~12 s
+on a busy one) is paid once (``tests/integration/airflow_home.py``).
 
 Retries: ``airflow dags test`` runs a failed task's retries itself (up_for_retry -> scheduled again
 once ``retry_delay`` has passed), so the retry test is a plain ``dags test`` with ``retries=1`` and

@@ -1,9 +1,16 @@
 """End to end through Airflow: ``airflow dags test`` in a throwaway AIRFLOW_HOME on SQLite.
 
-Each test runs the real CLI in a subprocess, so the task runs exactly as it does under
-``airflow dags test`` for a user: real parsing, real templating, real XCom and asset events in the
+Each test runs the real CLI code, so the task runs exactly as it does under ``airflow dags test``
+for a user: real parsing of the DAGs folder, real templating, real XCom and asset events in the
 metadata database, real Spark ``local[2]``, real Horovod ranks and mpirun. Assertions read the
 results back from the metadata database and from the artifact store.
+
+The CLI's process: the SIGTERM test starts the ``airflow`` console script itself (a new
+interpreter, as a user types it) and signals it. Every other test runs the same CLI code,
+``airflow.__main__.main()`` with the same argv, in a process forked from one server per module
+that has already imported Airflow and built the in-process execution API: what each ``airflow dags
+test`` spends on those before its first task starts (~5 s of one core on an idle machine here, ~12 s
+on a busy one) is paid once (``tests/integration/airflow_home.py``).
 
 Retries: ``airflow dags test`` runs a failed task's retries itself (up_for_retry -> scheduled again
 once ``retry_delay`` has passed), so the retry test is a plain ``dags test`` with ``retries=1`` and
@@ -15,11 +22,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import signal
-import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,72 +34,25 @@ import psutil
 import pytest
 
 from tests.conftest import wait_no_run_processes
-from tests.integration.deployment import task_env
+from tests.integration.airflow_home import AIRFLOW, DAG_TIMEOUT_S, REPO, AirflowHome
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
 
-REPO = Path(__file__).resolve().parents[2]
-AIRFLOW = str(Path(sys.executable).with_name("airflow"))
-DAG_TIMEOUT_S = 300
 # Two tries of a Keras training task (each starts 2 ranks that import TensorFlow, ~20-60 s on a busy
 # 2-core machine) plus an evaluation that imports it again: 5.5 min seen here at load 15.
 KERAS_DAG_TIMEOUT_S = 600
 
 
-class AirflowHome:
-    """A throwaway AIRFLOW_HOME with a migrated SQLite DB, the example DAGs and the test DAGs."""
-
-    def __init__(self, root: Path) -> None:
-        self.home = root / "airflow"
-        self.dags = root / "dags"
-        self.artifacts = root / "artifacts"
-        self.dags.mkdir(parents=True)
-        for source in [*sorted((REPO / "dags").glob("*.py")), *sorted((REPO / "tests/integration/airflow_dags").glob("*.py"))]:
-            shutil.copy(source, self.dags / source.name)
-        self.env = {
-            **os.environ,
-            "AIRFLOW_HOME": str(self.home),
-            "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-            **task_env(self.artifacts),
-            # spark_default is left undefined on purpose: the tasks fall back to embedded local[2].
-        }
-        self.env.pop("AIRFLOW_CONN_SPARK_DEFAULT", None)
-        subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, check=True, capture_output=True, timeout=300)
-
-    def dags_test(self, dag_id: str, *args: str, timeout: float = DAG_TIMEOUT_S, **popen: object) -> subprocess.CompletedProcess:
-        return subprocess.run([AIRFLOW, "dags", "test", dag_id, *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout, **popen)
-
-    def query(self, sql: str, *args: object) -> list[tuple]:
-        with sqlite3.connect(self.home / "airflow.db") as db:
-            return db.execute(sql, args).fetchall()
-
-    def last_run_id(self, dag_id: str) -> str:
-        return self.query("SELECT run_id FROM dag_run WHERE dag_id = ? ORDER BY id DESC LIMIT 1", dag_id)[0][0]
-
-    def xcom(self, dag_id: str, task_id: str, key: str = "return_value") -> object:
-        rows = self.query("SELECT value FROM xcom WHERE dag_id = ? AND task_id = ? AND key = ? AND run_id = ?",
-                          dag_id, task_id, key, self.last_run_id(dag_id))
-        assert rows, "no %s XCom for %s.%s" % (key, dag_id, task_id)
-        value = rows[0][0]
-        return json.loads(value) if isinstance(value, (str, bytes)) else value
-
-    def task_states(self, dag_id: str) -> dict[str, tuple[str, int]]:
-        rows = self.query("SELECT task_id, state, try_number FROM task_instance WHERE dag_id = ? AND run_id = ?",
-                          dag_id, self.last_run_id(dag_id))
-        return {task: (state, tries) for task, state, tries in rows}
-
-    def asset_extras(self, name: str) -> list[dict]:
-        rows = self.query("SELECT e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id WHERE a.name = ? "
-                          "ORDER BY e.id", name)
-        return [json.loads(extra) if isinstance(extra, str) else extra for (extra,) in rows]
-
-
 @pytest.fixture(scope="module")
-def airflow(tmp_path_factory) -> AirflowHome:
-    return AirflowHome(tmp_path_factory.mktemp("airflow-e2e"))
+def airflow(tmp_path_factory, mlflow_process):
+    # The MLflow server (its test is the module's last) starts first, so that its start-up (~6.5 s,
+    # mostly one core) runs beside the home's (db migrate, then the dags-test server: one core each).
+    home = AirflowHome(tmp_path_factory.mktemp("airflow-e2e"))
+    try:
+        home.start_server()
+        yield home
+    finally:
+        home.close()
 
 
 def local(uri: str) -> Path:
@@ -251,6 +208,8 @@ def test_retry_resumes_from_the_checkpoint_of_the_failed_try(airflow):
 
 
 def test_sigterm_cancels_the_spark_job_and_leaves_no_process(airflow):
+    # The one test on the ``airflow`` console script itself (a new interpreter, as a user starts it):
+    # the CLI's own start-up, parsing the DAGs folder, and a signal to the process that runs the task.
     proc = subprocess.Popen([AIRFLOW, "dags", "test", "hvd_test_kill"], env=airflow.env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -336,9 +295,10 @@ def test_bad_input_fails_before_training_with_errors_that_name_the_fix(airflow):
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
+def mlflow_process(tmp_path_factory):
     """A real ``mlflow server`` (from .venv-mlflow/, which scripts/setup makes) with its own
-    SQLite backend store and artifact folder, on a free port of 127.0.0.1."""
+    SQLite backend store and artifact folder, on a free port of 127.0.0.1: started, not waited for
+    (``mlflow_server`` waits)."""
     from tests.integration.deployment import free_port
 
     server_bin = REPO / ".venv-mlflow" / "bin" / "mlflow"
@@ -348,20 +308,8 @@ def mlflow_server(tmp_path_factory):
         [str(server_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", "sqlite:///%s" % (root / "mlflow.db"), "--artifacts-destination", str(root / "artifacts")],
         stdout=(root / "server.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = "http://127.0.0.1:%d" % port
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, (root / "server.log").read_text()[-3000:]
-            try:
-                import urllib.request
-
-                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "mlflow server did not come up:\n" + (root / "server.log").read_text()[-3000:]
-                time.sleep(0.5)
-        yield url
+        yield server, "http://127.0.0.1:%d" % port, root / "server.log"
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -371,16 +319,32 @@ def mlflow_server(tmp_path_factory):
             server.wait()
 
 
+@pytest.fixture(scope="module")
+def mlflow_server(mlflow_process) -> str:
+    """The URL of ``mlflow_process``'s server once it answers ``/health``."""
+    import urllib.request
+
+    server, url, log = mlflow_process
+    deadline = time.monotonic() + 120
+    while True:
+        assert server.poll() is None, log.read_text()[-3000:]
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                return url
+        except OSError:
+            assert time.monotonic() < deadline, "mlflow server did not come up:\n" + log.read_text()[-3000:]
+            time.sleep(0.5)
+
+
 def test_mlflow_gets_one_run_per_try_from_the_driver_and_an_unreachable_server_only_warns(airflow, mlflow_server):
     from mlflow.tracking import MlflowClient
 
     from tests.integration.deployment import free_port
 
-    env = {**airflow.env, "AIRFLOW_CONN_MLFLOW_TEST": json.dumps({"conn_type": "http", "host": mlflow_server}),
+    env = {"AIRFLOW_CONN_MLFLOW_TEST": json.dumps({"conn_type": "http", "host": mlflow_server}),
            "AIRFLOW_CONN_MLFLOW_DEAD": json.dumps({"conn_type": "http", "host": "http://127.0.0.1:%d" % free_port(),
                                                    "password": "not-for-the-ranks"})}
-    proc = subprocess.run([AIRFLOW, "dags", "test", "hvd_test_mlflow"], env=env, capture_output=True, text=True,
-                          timeout=DAG_TIMEOUT_S)
+    proc = airflow.dags_test("hvd_test_mlflow", env=env)
     assert proc.returncode == 0, explain(proc)
     assert airflow.task_states("hvd_test_mlflow") == {"tracked": ("success", 1), "unreachable": ("success", 1)}
     output = proc.stdout + proc.stderr

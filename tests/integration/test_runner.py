@@ -18,14 +18,15 @@ from tests.integration import jobs
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
 
 
-def train_in_background(runner: HorovodRunner, tmp_path) -> tuple[threading.Thread, list[BaseException]]:
-    """Start a long training run in a thread; return once its ranks are training."""
+def train_in_background(runner: HorovodRunner, tmp_path, job=jobs.slow_job) -> tuple[threading.Thread, list[BaseException]]:
+    """Start a long training run of ``job`` (it touches its ``marker`` once training runs) in a
+    thread; return once its ranks are training."""
     marker = tmp_path / "training"
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            runner.run(jobs.slow_job, steps=100000, marker=str(marker))
+            runner.run(job, steps=100000, marker=str(marker))
         except BaseException as err:  # noqa: BLE001
             errors.append(err)
 

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 from airflow_provider_horovod import HorovodRunError, HorovodRunner, RunCancelledError
 from tests.conftest import wait_no_run_processes
 from tests.integration import torch_jobs
+from tests.integration.test_runner import train_in_background
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,20 +81,7 @@ def test_a_torch_rank_that_raises_fails_the_run_with_its_traceback_while_the_oth
 
 def test_cancel_mid_torch_training_interrupts_the_job_and_leaves_no_process(spark, tmp_path):
     runner = HorovodRunner(2, launcher="torch", spark=spark)
-    marker, errors = tmp_path / "training", []
-
-    def run() -> None:
-        try:
-            runner.run(torch_jobs.slow_ddp_job, marker=str(marker))
-        except BaseException as err:  # noqa: BLE001
-            errors.append(err)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert marker.exists(), "training never started"
+    thread, errors = train_in_background(runner, tmp_path, torch_jobs.slow_ddp_job)
     runner.cancel()
     thread.join(30)
     assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], RunCancelledError)

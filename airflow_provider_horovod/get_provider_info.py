@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from airflow_provider_horovod.runner.options import DEFAULT_PROGRESS_INTERVAL_S
+
 
 def get_provider_info() -> dict[str, Any]:
     return {
@@ -100,7 +102,7 @@ def get_provider_info() -> dict[str, Any]:
                         "version_added": "0.1.0",
                         "type": "float",
                         "example": "10",
-                        "default": "30",
+                        "default": "%g" % DEFAULT_PROGRESS_INTERVAL_S,
                     },
                 },
             }

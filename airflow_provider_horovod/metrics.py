@@ -5,7 +5,6 @@ on disk, and only the first and the newest report are held."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -14,21 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.runner.messages import Report
+from airflow_provider_horovod.runner.options import DEFAULT_PROGRESS_INTERVAL_S
+from airflow_provider_horovod.runner.records import MetricsRow
 
 COMMIT_INTERVAL_S = 5.0  # how often metrics.jsonl is committed to the store while the try runs
-DEFAULT_PROGRESS_INTERVAL_S = 30.0  # [horovod] progress_interval, the operator's progress_interval
 
 
 def check_progress_interval(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         raise ValueError("progress_interval must be a positive number of seconds; got %r" % (value,))
     return float(value)
-
-
-def metrics_line(report: Report) -> str:
-    """One line of ``metrics.jsonl``: step, total steps, time and values."""
-    return json.dumps({"step": report.step, "total_steps": report.total_steps, "time": report.time,
-                       "values": dict(report.metrics)}, allow_nan=False)
 
 
 def duration_text(seconds: float) -> str:
@@ -104,7 +98,7 @@ class MetricsRecorder:
             self.first = self.first or report
             self.newest = report
             with self.local.open("a") as out:
-                out.write(metrics_line(report) + "\n")
+                out.write(MetricsRow.of(report).to_line() + "\n")
             now = self._clock()
             if now - self._last_line >= self._interval:
                 self._last_line = now

@@ -118,13 +118,20 @@ def checkpoint_dir() -> Path:
     return path
 
 
-def commit_checkpoint(step: int | None = None, **metrics: object) -> None:
+def commit_checkpoint(step: int | None = None, **metrics: float) -> None:
     """Rank 0: the checkpoint folder as it is now is one consistent version; ship and commit it in
     the background (training goes on at once). Once a run has called this, only its calls make
-    versions. ``step`` and ``metrics`` go into the version's marker. Other ranks: nothing happens.
-    An empty checkpoint folder is no version: the call warns and does nothing."""
+    versions. ``step`` and ``metrics`` go into the version's marker; they follow ``report()``'s
+    rules (an int >= 0, finite numbers), checked at the call on every rank: ``TypeError`` or
+    ``ValueError`` says what to pass. Other ranks: nothing else happens. An empty checkpoint folder
+    is no version: the call warns and does nothing."""
+    import time
+
+    from airflow_provider_horovod.runner.messages import Report
+    from airflow_provider_horovod.runner.records import CommitRequest
     from airflow_provider_horovod.runner.task.shipper import request_commit
 
+    made = Report.make(time.time(), step, None, metrics)
     base = os.environ.get(names.ENV_TASK_DIR)
     if base is None or rank() != 0:
         return
@@ -133,7 +140,7 @@ def commit_checkpoint(step: int | None = None, **metrics: object) -> None:
         warnings.warn("runtime.commit_checkpoint(step=%r): %s is empty, so there is no checkpoint to commit; write "
                       "its files first." % (step, folder), stacklevel=2)
         return
-    request_commit(names.TaskDir(base), folder, step, dict(metrics))
+    request_commit(names.TaskDir(base), folder, CommitRequest(time=made.time, step=made.step, metrics=dict(made.metrics)))
 
 
 def dataset(remainder: str = "wrap"):

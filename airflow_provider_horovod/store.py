@@ -3,13 +3,9 @@ markers say. The hook, the operator and the Horovod view call it; none of them s
 
 The layout, under the artifact root (any ``ObjectStoragePath`` URL)::
 
-    <dag_id>/<run_id>/<task_id>[/map-<i>]/try-<n>/
-        versions/<seq>/...             a checkpoint version committed while the try ran (seq: 000001, ...)
-        versions/<seq>/_VERSION.json   its marker (step, time, size, files), written after its files
-        checkpoints/...                rank 0's checkpoint folder as the try ended
-        timeline.json  timeline_summary.json  timeline.svg  result.pkl
-        metrics.jsonl                  rank 0's kept reports (step, time, values), committed while the try runs
-        _ARTIFACTS.json                the try's final marker, written last: how the try ended
+    <dag_id>/<run_id>/<task_id>[/map-<i>]/try-<n>/   a try folder: ``records.Layout``, as the engine's
+                                                      artifact_dir, plus metrics.jsonl, result.pkl and
+                                                      the try's marker _ARTIFACTS.json, written last
 
 A version counts only once its marker is there, so a reader never sees half a version as
 complete. A try that never wrote its final marker (its task process was killed) still offers
@@ -21,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import json
 import os
 import re
@@ -31,27 +26,28 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.exceptions import ArtifactError
-from airflow_provider_horovod.runner.events import RunStatus
-from airflow_provider_horovod.runner.versions import VERSION_MARKER, Version
+from airflow_provider_horovod.runner import records
+from airflow_provider_horovod.runner.records import (
+    CHECKPOINTS,
+    METRICS,
+    RESULT,
+    RUN_MARKER,
+    TRY_MARKER,
+    VERSION_MARKER,
+    VERSIONS,
+    Layout,
+    MetricsRow,
+    TryMarker,
+    Version,
+)
 
-MARKER = "_ARTIFACTS.json"
-CHECKPOINTS = "checkpoints"
-VERSIONS = "versions"
-TIMELINE = "timeline.json"
-RESULT_FILE = "result.pkl"
-METRICS = "metrics.jsonl"
+MARKER = TRY_MARKER
+TryStatus = records.TryStatus
+TIMELINE = records.TIMELINE
+RESULT_FILE = RESULT
 TRY_FOLDER = re.compile(r"^try-([1-9][0-9]{0,6})$")
-VERSION_FOLDER = re.compile(r"^[0-9]{6,}$")
 LOCAL_PROTOCOLS = ("file", "local", "")
 STATE_KEY = "horovod_checkpoint"  # the task_state_store key of the newest committed version
-
-
-class TryStatus(str, enum.Enum):
-    """How a try ended, as its final marker says: the engine's end states (``RunStatus``)."""
-
-    SUCCESS = RunStatus.SUCCESS.value
-    FAILED = RunStatus.FAILED.value
-    CANCELLED = RunStatus.CANCELLED.value
 
 
 # -- the layout ---------------------------------------------------------------------------------
@@ -110,41 +106,9 @@ def prepare_try(root: Any, *, dag_id: str, run_id: str, task_id: str, try_number
 
 
 # -- the try's final marker ---------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class TryMarker:
-    """``_ARTIFACTS.json``: how a try ended and what it stored. ``fields`` keeps every other key
-    (np, launcher, duration_s, resumed_from, error, the engine's timeline names, ...)."""
-
-    status: TryStatus | None
-    complete: bool
-    stored_files: tuple[str, ...]
-    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, value: Any) -> TryMarker | None:
-        if not isinstance(value, dict):
-            return None
-        try:
-            status = TryStatus(value.get("status"))
-        except ValueError:
-            status = None
-        names = value.get("stored_files")
-        if not isinstance(names, list):
-            names = [f.get("path") for f in value.get("files") or [] if isinstance(f, dict)]
-        stored = tuple(n for n in names if isinstance(n, str))
-        return cls(status=status, complete=value.get("complete") is True, stored_files=stored, fields=dict(value))
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.fields, "status": self.status.value if self.status else None, "complete": self.complete,
-                "stored_files": list(self.stored_files)}
-
-
 def read_marker(folder: Any) -> TryMarker | None:
     """The try's final marker, or ``None`` while the try runs (or when it was killed)."""
-    try:
-        return TryMarker.from_json(json.loads((folder / MARKER).read_text()))
-    except Exception:  # noqa: BLE001 - absent, half-written or not JSON: not committed
-        return None
+    return Layout(folder).read_try_marker()
 
 
 def _write_json_last(folder: Any, name: str, value: dict[str, Any]) -> None:
@@ -153,45 +117,39 @@ def _write_json_last(folder: Any, name: str, value: dict[str, Any]) -> None:
     tmp.rename(folder / name)
 
 
-def store_try(local_dir: str | Path, folder: Any, marker: dict[str, Any], *,
+def store_try(local_dir: str | Path, folder: Any, marker: TryMarker, *,
               extra_files: dict[str, bytes] | None = None) -> TryMarker:
     """Copy the engine's committed ``local_dir`` (and ``extra_files``) into ``folder``, then write the
-    final marker last: the try's one commit point. The engine's own run marker in ``local_dir`` is
-    merged into ``marker``; its versions are already in the store (``commit_version``)."""
-    from airflow_provider_horovod.runner.artifacts import ENGINE_MARKER
-
+    final marker last: the try's one commit point. ``marker`` is the operator's part; the stored
+    files, the engine's own marker (``run``) and whether the engine had all of rank 0's hand-over
+    (``complete``) are filled in here. The versions are already in the
+    store (``commit_version``)."""
     local = Path(local_dir)
-    engine: dict[str, Any] = {}
+    run = Layout(local).read_run_marker()
     files = []
     for path in sorted(local.rglob("*")):
         rel = path.relative_to(local).as_posix()
         if path.is_dir() or any(part.startswith(".") for part in rel.split("/")) or rel.startswith(VERSIONS + "/"):
             continue  # dot-names are the engine's unfinished transfers; versions went up as committed
-        if rel == ENGINE_MARKER:
-            with contextlib.suppress(ValueError, OSError):
-                engine = json.loads(path.read_text())
-            continue
+        if rel == RUN_MARKER:
+            continue  # kept inside the try's marker
         _upload(path, folder / rel)
         files.append(rel)
     for rel, data in sorted((extra_files or {}).items()):
         (folder / rel).write_bytes(data)
         files.append(rel)
-    committed = TryMarker.from_json({**engine, **marker, "stored_files": files})
-    assert committed is not None
+    committed = dataclasses.replace(marker, complete=run is not None and run.complete, stored_files=tuple(files),
+                                    run=run, committed_at=time.time())
     _write_json_last(folder, MARKER, committed.to_json())
     return committed
 
 
 # -- checkpoint versions --------------------------------------------------------------------------
-def version_folder(folder: Any, seq: int) -> Any:
-    return folder / VERSIONS / ("%06d" % seq)
-
-
 def commit_version(folder: Any, local_version: Path, version: Version, *, keep: int) -> Any:
     """Upload one version the engine committed (``local_version``) into the try ``folder``; its
     marker goes last. Older versions are pruned to ``keep`` only after this one is committed.
     A store that fails midway leaves no marker: the previous version stays the newest."""
-    target = version_folder(folder, version.seq)
+    target = Layout(folder).version(version.seq)
     try:
         for rel, _size in version.files:
             _upload(local_version / rel, target / rel)
@@ -205,14 +163,7 @@ def commit_version(folder: Any, local_version: Path, version: Version, *, keep: 
 
 def versions(folder: Any) -> list[tuple[Version, Any]]:
     """The committed versions of a try, oldest first (a folder without its marker is not one)."""
-    found = []
-    with contextlib.suppress(Exception):
-        for child in (folder / VERSIONS).iterdir():
-            if not VERSION_FOLDER.match(child.name):
-                continue
-            with contextlib.suppress(Exception):
-                found.append((Version.from_json(json.loads((child / VERSION_MARKER).read_text())), child))
-    return sorted(found, key=lambda item: item[0].seq)
+    return Layout(folder).committed_versions()
 
 
 def prune_versions(folder: Any, keep: int) -> None:
@@ -255,12 +206,10 @@ def parse_metrics(lines: Any, *, max_rows: int) -> list[dict[str, Any]]:
     kept: list[dict[str, Any]] = []
     stride, seen, newest = 1, 0, None
     for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
+        parsed = MetricsRow.from_line(line)
+        if parsed is None:
             continue  # a line cut by a commit in progress elsewhere, or not ours
-        if not isinstance(row, dict) or not isinstance(row.get("values"), dict):
-            continue
+        row = parsed.to_json()
         newest, seen = row, seen + 1
         if (seen - 1) % stride == 0:
             kept.append(row)
@@ -332,12 +281,10 @@ def recorded_checkpoint(state: Any) -> Checkpoint | None:
         value = state.get(STATE_KEY, None)
         if isinstance(value, dict) and isinstance(value.get("uri"), str):
             path = storage_path(value["uri"])
-            if (path / VERSION_MARKER).exists() or (read_marker(path.parent) or _NO_MARKER).complete:
+            marker = read_marker(path.parent)
+            if (path / VERSION_MARKER).exists() or (marker is not None and marker.complete):
                 return Checkpoint(path, value.get("try_number"), value.get("step"), value.get("seq"))
     return None
-
-
-_NO_MARKER = TryMarker(status=None, complete=False, stored_files=())
 
 
 def record_checkpoint(state: Any, checkpoint: Checkpoint) -> None:

@@ -104,9 +104,9 @@ def main() -> None:
                 settle(args.settle)
                 with PeakRss() as peak:
                     runner.run(write_checkpoint, args.mib)
-                if runner.last_run["artifact_transport"] != transport:
-                    raise SystemExit("expected the %s path, the run took %s" % (transport, runner.last_run["artifact_transport"]))
-                speeds[transport].append(runner.last_run["artifact_bytes"] / runner.last_run["artifact_transfer_s"] / 2**20)
+                if runner.last_run.artifact_transport != transport:
+                    raise SystemExit("expected the %s path, the run took %s" % (transport, runner.last_run.artifact_transport))
+                speeds[transport].append(runner.last_run.artifact_bytes / runner.last_run.artifact_transfer_s / 2**20)
                 rss[transport].append(peak.growth_mb)
                 source = dest / "checkpoints" / "model.bin"
                 if transport == "copy":

@@ -336,14 +336,14 @@ class HorovodRunnerOperator(BaseOperator):
                 extra_files[store.RESULT_FILE] = cloudpickle.dumps(result)
                 xcom_result = {"artifact_uri": str(folder / store.RESULT_FILE), "type": _type_name(result),
                                "format": "cloudpickle"}
-        marker = {
-            "status": status.value, "try_number": try_number, "np": report.np, "run_id": report.run_id,
-            "launcher": Launcher(self.launcher).value, "duration_s": report.duration_s,
-            "resumed_from": str(resumed_from.path) if resumed_from is not None else None,
-            "resumed_from_try": resumed_from.try_number if resumed_from is not None else None,
-            "resumed_from_step": resumed_from.step if resumed_from is not None else None,
-            "error": failure_record(error, report) if error is not None else None,
-        }
+        marker = store.TryMarker(
+            status=status, complete=False, try_number=try_number, np=report.np, run_id=report.run_id,
+            launcher=Launcher(self.launcher).value, duration_s=report.duration_s,
+            resumed_from=str(resumed_from.path) if resumed_from is not None else None,
+            resumed_from_try=resumed_from.try_number if resumed_from is not None else None,
+            resumed_from_step=resumed_from.step if resumed_from is not None else None,
+            error=failure_record(error, report) if error is not None else None,
+        )
         committed = store.store_try(local, folder, marker, extra_files=extra_files)
         newest = store.newest_checkpoint(folder)
         timeline_uri = str(folder / store.TIMELINE) if store.TIMELINE in committed.stored_files else None

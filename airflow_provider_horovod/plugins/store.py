@@ -119,7 +119,7 @@ class Try:
 
     number: int
     folder: ObjectStoragePath
-    marker: dict[str, Any] | None  # None: not committed (still running, or the worker died)
+    marker: store.TryMarker | None  # None: not committed (still running, or the worker died)
     local: LocalFolder | None = None  # on local disk: how to reach the folder from its root
 
     def __post_init__(self) -> None:
@@ -129,7 +129,7 @@ class Try:
     def status(self) -> str:
         if self.marker is None:
             return "running or never committed"
-        return str(self.marker.get("status") or "unknown")
+        return self.marker.status.value if self.marker.status else "unknown"
 
     @property
     def committed(self) -> bool:
@@ -138,8 +138,7 @@ class Try:
     @functools.cached_property
     def _listed(self) -> frozenset[str]:
         """Read from the marker once per request (not once per file)."""
-        parsed = store.TryMarker.from_json(self.marker) if self.marker else None
-        return frozenset(n for n in (parsed.stored_files if parsed else ()) if _relative_ok(n))
+        return frozenset(n for n in (self.marker.stored_files if self.marker else ()) if _relative_ok(n))
 
     def listed(self) -> list[str]:
         """The files the marker says were stored: the only ones this view serves."""
@@ -248,18 +247,16 @@ class TaskArtifacts:
             return Try(number, folder, _read_local_marker(local), local)
         if not folder.is_dir():
             raise NotFound("try %s" % number)
-        parsed = store.read_marker(folder)
-        return Try(number, folder, parsed.to_json() if parsed is not None else None)
+        return Try(number, folder, store.read_marker(folder))
 
 
-def _read_local_marker(folder: LocalFolder) -> dict[str, Any] | None:
+def _read_local_marker(folder: LocalFolder) -> store.TryMarker | None:
     """The try's marker, read from a descriptor (no link followed); ``None`` if absent or not one."""
     try:
         with os.fdopen(folder.open_file(MARKER), "rb") as f:
-            parsed = store.TryMarker.from_json(json.loads(f.read()))
-    except (NotFound, ValueError):
+            return store.TryMarker.from_json(json.loads(f.read()))
+    except (NotFound, ValueError, TypeError, KeyError):
         return None
-    return parsed.to_json() if parsed is not None else None
 
 
 def _relative_ok(rel: str) -> bool:

@@ -37,7 +37,7 @@ from airflow_provider_horovod.runner.events import RunStatus
 from airflow_provider_horovod.runner.messages import Report
 from airflow_provider_horovod.runner.wire import ProtocolError
 from airflow_provider_horovod.runner import timeline as hvd_timeline
-from airflow_provider_horovod.store import CHECKPOINTS, MARKER, TIMELINE
+from airflow_provider_horovod.store import CHECKPOINTS, MARKER, TIMELINE, TryMarker
 
 TASK_ROUTE = "/dags/{dag_id}/runs/{run_id}/tasks/{task_id}"
 CHUNK = 1 << 20
@@ -163,26 +163,28 @@ def download(dag_id: str, run_id: str, task_id: str, try_number: int, path: str,
 
 def _facts(t: Try, *, running: bool) -> dict[str, Any]:
     """What the page shows about one try, from its marker (``running``: the newest try, uncommitted)."""
-    marker = t.marker or {}
+    marker = t.marker or _UNCOMMITTED
     files = t.files()
-    error = marker.get("error") if isinstance(marker.get("error"), dict) else None
     return {
         "try_number": t.number,
         "status": RunStatus.RUNNING if running else t.status,
         "committed": t.committed,
-        "np": marker.get("np"),
-        "launcher": marker.get("launcher"),
-        "duration_s": marker.get("duration_s"),
-        "resumed_from": marker.get("resumed_from"),
-        "resumed_from_try": marker.get("resumed_from_try"),
-        "resumed_from_step": marker.get("resumed_from_step"),
+        "np": marker.np,
+        "launcher": marker.launcher,
+        "duration_s": marker.duration_s,
+        "resumed_from": marker.resumed_from,
+        "resumed_from_try": marker.resumed_from_try,
+        "resumed_from_step": marker.resumed_from_step,
         "versions": t.versions(),
         "artifacts_uri": str(t.folder),
         "files": [{"path": f.path, "size": f.size} for f in files if f.path != MARKER],
         "checkpoints": [{"path": f.path, "size": f.size} for f in files if f.path.startswith(CHECKPOINTS + "/")],
         "timeline": TIMELINE in {f.path for f in files},
-        "error": error,
+        "error": marker.error,
     }
+
+
+_UNCOMMITTED = TryMarker(status=None, complete=False)
 
 
 class _Pictures:
@@ -195,7 +197,7 @@ class _Pictures:
         self._size = size
 
     def get(self, t: Try, title: str) -> str | None:
-        key = (str(t.folder), (t.marker or {}).get("committed_at"))
+        key = (str(t.folder), t.marker.committed_at if t.marker else None)
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)

@@ -40,7 +40,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from airflow_provider_horovod.exceptions import ArtifactError
-from airflow_provider_horovod.runner import names, wire
+from airflow_provider_horovod.runner import records, wire
 from airflow_provider_horovod.runner import timeline as hvd_timeline
 from airflow_provider_horovod.runner.messages import (
     FetchResume,
@@ -59,14 +59,14 @@ from airflow_provider_horovod.runner.messages import (
     wait_for,
 )
 
-ENGINE_MARKER = "_RUN.json"  # the engine's own marker; the store's is _ARTIFACTS.json (store.py)
+ENGINE_MARKER = records.RUN_MARKER
 CHUNK = 4 << 20
 COPY_CHUNK = 64 << 20  # per copy_file_range call: how often a same-host copy looks for a cancel
 TRANSFER_TIMEOUT_S = 60.0  # a transfer's peer sends a frame or a heartbeat well within this
-TIMELINE = names.TIMELINE_FILE
-SUMMARY = "timeline_summary.json"
-PICTURE = "timeline.svg"
-CHECKPOINTS = names.CHECKPOINTS_DIR
+TIMELINE = records.TIMELINE
+SUMMARY = records.SUMMARY
+PICTURE = records.PICTURE
+CHECKPOINTS = records.CHECKPOINTS
 
 
 def in_progress(name: str) -> bool:
@@ -547,31 +547,24 @@ def draw_timeline(staging: Path) -> dict[str, Any]:
 
 # -- commit ---------------------------------------------------------------------------------------
 def commit(artifact_dir: Path, staging: Path, *, status: str, complete: bool, run_id: str,
-           received: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Move what was received into ``artifact_dir`` and write the marker last.
+           received: list[dict[str, Any]], np: int | None = None, launcher: str | None = None) -> records.RunMarker:
+    """Move what was received into ``artifact_dir`` and write the engine's marker last.
 
     An incomplete transfer stays in its staging folder and the marker says ``complete: false``.
     """
-    info: dict[str, Any] = {"status": status, "complete": complete, "run_id": run_id, "files": received,
-                            "committed_at": time.time(), "checkpoint": None, "timeline": None}
-    info.update(extra or {})
+    marker = records.RunMarker(status=status, complete=complete, run_id=run_id, files=tuple(received),
+                               committed_at=time.time(), np=np, launcher=launcher)
     if complete:
         if (staging / TIMELINE).exists():
-            info.update(draw_timeline(staging))
+            marker = dataclasses.replace(marker, timeline=draw_timeline(staging))
         if (staging / CHECKPOINTS).is_dir() and any((staging / CHECKPOINTS).iterdir()):
-            info["checkpoint"] = CHECKPOINTS
+            marker = dataclasses.replace(marker, checkpoint=CHECKPOINTS)
         for entry in sorted(staging.iterdir()):
             os.replace(entry, artifact_dir / entry.name)
         shutil.rmtree(staging, ignore_errors=True)
     else:
-        info["staging"] = staging.name
+        marker = dataclasses.replace(marker, staging=staging.name)
     tmp = artifact_dir / (ENGINE_MARKER + ".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
+    tmp.write_text(json.dumps(marker.to_json(), indent=2))
     os.replace(tmp, artifact_dir / ENGINE_MARKER)
-    return info
-
-
-def read_marker(artifact_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    with contextlib.suppress(OSError, ValueError):
-        return json.loads((Path(artifact_dir) / ENGINE_MARKER).read_text())
-    return None
+    return marker

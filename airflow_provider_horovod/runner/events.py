@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from airflow_provider_horovod.runner.options import Launcher
@@ -144,8 +144,8 @@ class RunStatus(enum.StrEnum):
 
 
 @dataclasses.dataclass(eq=False)
-class RunReport(Mapping):
-    """``HorovodRunner.last_run``: attribute access for every field; item access for old callers."""
+class RunReport:
+    """``HorovodRunner.last_run``: how the newest run went, one field each."""
 
     run_id: str
     np: int
@@ -171,17 +171,3 @@ class RunReport(Mapping):
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds since run() began
     rejected_connections: int = 0
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in _REPORT_FIELDS:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(_REPORT_FIELDS)
-
-    def __len__(self) -> int:
-        return len(_REPORT_FIELDS)
-
-
-_REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(RunReport))

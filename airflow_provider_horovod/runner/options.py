@@ -26,6 +26,7 @@ DEFAULT_START_TIMEOUT_S = 120.0
 # a collective some rank never joins ends the run after this long: longer than any honest wait of
 # one rank for another (rank 0 saving or evaluating), far shorter than an execution_timeout
 DEFAULT_STALL_TIMEOUT_S = 600.0
+DEFAULT_PROGRESS_INTERVAL_S = 30.0  # the operator's progress_interval, [horovod] progress_interval
 
 
 def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: float,

@@ -11,7 +11,6 @@ atomic step, so a reader never sees half a version. Older versions are pruned to
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -23,41 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.runner.artifacts import Limits
-from airflow_provider_horovod.runner.messages import PutVersion, safe_relative
+from airflow_provider_horovod.runner.messages import PutVersion, Report, safe_relative
+from airflow_provider_horovod.runner.records import VERSION_MARKER, VERSIONS, Layout, Version, version_name
 
 log = logging.getLogger(__name__)
 
-VERSIONS_DIR = "versions"
-VERSION_MARKER = "_VERSION.json"
 DEFAULT_KEEP = 2
-MAX_METRICS_CHARS = 65536
-
-
-@dataclasses.dataclass(frozen=True)
-class Version:
-    """One committed checkpoint version: its number in the run, the user's step and metrics, when,
-    how large, every file with its size, and which of them travelled (the others were unchanged)."""
-
-    seq: int
-    step: int | None
-    time: float
-    size: int
-    files: tuple[tuple[str, int], ...]
-    sent: tuple[str, ...] = ()
-    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "step": self.step, "time": self.time, "size": self.size,
-                "files": [{"path": p, "size": s} for p, s in self.files], "sent": list(self.sent),
-                "metrics": self.metrics}
-
-    @classmethod
-    def from_json(cls, value: dict[str, Any]) -> Version:
-        files = tuple((str(f["path"]), int(f["size"])) for f in value["files"])
-        step = value.get("step")
-        return cls(seq=int(value["seq"]), step=int(step) if step is not None else None, time=float(value["time"]),
-                   size=int(value["size"]), files=files, sent=tuple(value.get("sent") or ()),
-                   metrics=dict(value.get("metrics") or {}))
 
 
 def check_keep(keep: Any) -> int:
@@ -66,19 +36,9 @@ def check_keep(keep: Any) -> int:
     return keep
 
 
-def folder_of(artifact_dir: Path, seq: int) -> Path:
-    return artifact_dir / VERSIONS_DIR / ("%06d" % seq)
-
-
 def committed(artifact_dir: Path) -> list[tuple[Version, Path]]:
     """The versions committed in ``artifact_dir``, oldest first."""
-    found = []
-    with contextlib.suppress(OSError):
-        for child in (artifact_dir / VERSIONS_DIR).iterdir():
-            if child.name.isdigit():
-                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                    found.append((Version.from_json(json.loads((child / VERSION_MARKER).read_text())), child))
-    return sorted(found, key=lambda item: item[0].seq)
+    return Layout(artifact_dir).committed_versions()
 
 
 def newest(artifact_dir: Path) -> tuple[Version, Path] | None:
@@ -93,7 +53,7 @@ def commit_version(artifact_dir: Path, received: Path, manifest: dict[str, int],
     newest committed version as it was."""
     before = newest(artifact_dir)
     seq = before[0].seq + 1 if before else 1
-    building = artifact_dir / VERSIONS_DIR / (".%06d.partial" % seq)
+    building = artifact_dir / VERSIONS / (".%s.partial" % version_name(seq))
     shutil.rmtree(building, ignore_errors=True)
     try:
         for rel, size in sorted(manifest.items()):
@@ -106,11 +66,11 @@ def commit_version(artifact_dir: Path, received: Path, manifest: dict[str, int],
         version = Version(seq=seq, step=step, time=time.time(), size=sum(manifest.values()),
                           files=tuple(sorted(manifest.items())), sent=tuple(sorted(sent)), metrics=metrics)
         (building / VERSION_MARKER).write_text(json.dumps(version.to_json(), indent=1))
-        os.rename(building, folder_of(artifact_dir, seq))
+        os.rename(building, Layout(artifact_dir).version(seq))
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
-    return version, folder_of(artifact_dir, seq)
+    return version, Layout(artifact_dir).version(seq)
 
 
 def _link_or_copy(source: Path, target: Path, *, move: bool) -> None:
@@ -161,8 +121,9 @@ class VersionSink:
             manifest = self._manifest(msg.manifest)
             if not set(sent) <= set(manifest):
                 raise ValueError("files were sent that the version does not list")
+            checked = _checked(msg.step, msg.metrics)
             version, path = commit_version(self.artifact_dir, self.staging, manifest, sent,
-                                           step=_step(msg.step), metrics=_metrics(msg.metrics))
+                                           step=checked.step, metrics=dict(checked.metrics))
         except (OSError, ValueError, TypeError) as err:
             log.warning("Checkpoint version not committed in %s: %s", self.artifact_dir, err)
             return "cannot commit the checkpoint version in %s: %s" % (self.artifact_dir, err)
@@ -197,15 +158,9 @@ class VersionSink:
         return manifest
 
 
-def _step(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError("step must be an int; got %r" % (value,))
-    return value
-
-
-def _metrics(value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict) or len(json.dumps(value)) > MAX_METRICS_CHARS:
-        raise ValueError("metrics must be a JSON object of at most %d characters" % MAX_METRICS_CHARS)
-    return value
+def _checked(step: Any, metrics: Any) -> Report:
+    """The version's step and metrics by ``runtime.report()``'s rules, as ``commit_checkpoint``
+    checked them at the call (a rank that sends its own frames gets no further)."""
+    if not isinstance(metrics, dict):
+        raise ValueError("metrics must be a JSON object; got %r" % (type(metrics).__name__,))
+    return Report.make(0.0, step, None, metrics)

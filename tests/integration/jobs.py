@@ -272,7 +272,8 @@ def host_versions_job(steps: int = 100000, pause: float = 0.5, weights_kb: int =
         if hvd.rank() == 0:
             (ckpt / "weights.bin").write_bytes(bytes([step % 256]) * (weights_kb << 10))
             (ckpt / "step.txt").write_text(str(step))
-            runtime.commit_checkpoint(step=step, host=socket.gethostname())
+            (ckpt / "host.txt").write_text(socket.gethostname())
+            runtime.commit_checkpoint(step=step)
         time.sleep(pause)
     return {"start": start, "host": socket.gethostname()}
 

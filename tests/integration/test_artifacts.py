@@ -13,7 +13,7 @@ import torch
 
 from airflow_provider_horovod import ArtifactError, HorovodRunError, HorovodRunner, RunCancelledError
 from airflow_provider_horovod.runner import artifacts
-from airflow_provider_horovod.runner.artifacts import ENGINE_MARKER, read_marker
+from airflow_provider_horovod.runner.records import Layout
 from tests.integration import jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
@@ -33,7 +33,7 @@ def test_timeline_comes_back_as_valid_json_with_summary_and_picture(spark, tmp_p
     # rank 0's timeline is the one that comes back
     assert result["timeline_env"][0].endswith("/artifacts/timeline.json")
     assert "/artifacts/" not in result["timeline_env"][1]
-    assert read_marker(tmp_path / "a")["status"] == "success"
+    assert Layout(tmp_path / "a").read_run_marker().status == "success"
 
 
 def test_timeline_off_sets_no_horovod_timeline_anywhere(spark, tmp_path, monkeypatch):
@@ -51,9 +51,9 @@ def test_checkpoint_round_trips_and_resumes_after_a_failed_run(spark, tmp_path, 
     first = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=tmp_path / "try-1")
     with pytest.raises(HorovodRunError, match="failing at epoch 2"):
         first.run(jobs.checkpoint_job, epochs=4, fail_at=2, in_flight_at_failure=True)
-    assert first.last_run["artifact_transport"] == transport
-    marker = read_marker(tmp_path / "try-1")
-    assert marker["status"] == "failed" and marker["complete"] is True
+    assert first.last_run.artifact_transport == transport
+    marker = Layout(tmp_path / "try-1").read_run_marker()
+    assert marker.status == "failed" and marker.complete is True
     ckpt = tmp_path / "try-1" / "checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch-0.pt", "epoch-1.pt"]  # no half-written file
     state = torch.load(ckpt / "epoch-1.pt")
@@ -63,16 +63,16 @@ def test_checkpoint_round_trips_and_resumes_after_a_failed_run(spark, tmp_path, 
     result = second.run(jobs.checkpoint_job, epochs=4)
     assert result["start"] == 2  # resumed after epoch 1
     assert all(seen and seen.endswith("resume") for seen in result["resume_seen"])  # every rank, same answer
-    final = torch.load(Path(second.last_run["checkpoint_path"]) / "epoch-3.pt")
+    final = torch.load(Path(second.last_run.checkpoint_path) / "epoch-3.pt")
     assert final["epoch"] == 3
     assert [w.flatten().tolist() for w in final["model"].values()] == result["weights"]
-    assert (tmp_path / "try-1" / ENGINE_MARKER).read_text() == json.dumps(marker, indent=2)  # earlier run untouched
+    assert Layout(tmp_path / "try-1").read_run_marker() == marker  # earlier run untouched
 
 
 def test_local_mode_resume_and_checkpoint(tmp_path):
     first = HorovodRunner(-2, launcher="gloo", artifact_dir=tmp_path / "one")
     first.run(jobs.checkpoint_job, epochs=2)
-    second = HorovodRunner(-2, launcher="mpirun", artifact_dir=tmp_path / "two", resume_from=first.last_run["checkpoint_path"])
+    second = HorovodRunner(-2, launcher="mpirun", artifact_dir=tmp_path / "two", resume_from=first.last_run.checkpoint_path)
     assert second.run(jobs.checkpoint_job, epochs=3)["start"] == 2
 
 
@@ -132,9 +132,9 @@ def test_cancel_during_artifact_transfer_leaves_the_folder_marked_incomplete(spa
     runner.cancel()
     thread.join(30)
     assert len(errors) == 1 and isinstance(errors[0], RunCancelledError)
-    assert runner.last_run["artifact_transport"] == transport
-    marker = read_marker(dest)
-    assert marker["status"] == "cancelled" and marker["complete"] is False
+    assert runner.last_run.artifact_transport == transport
+    marker = Layout(dest).read_run_marker()
+    assert marker.status == "cancelled" and marker.complete is False
     assert not (dest / "checkpoints").exists()  # nothing half-copied looks like a checkpoint
     size = incoming.stat().st_size if transport == "copy" else None
     if transport == "stream":

@@ -51,7 +51,7 @@ def test_two_ranks_return_rank_zeros_value(spark, launcher):
     # local[2]: one executor, so one host with two local ranks
     assert [(r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) for r in ranks] == [(0, 2, 0, 1), (1, 2, 0, 1)]
     assert {r["controller"] for r in ranks} == {"mpi" if launcher == "mpirun" else "gloo"}
-    assert runner.last_run["result"] == result == runner.last_run.result
+    assert runner.last_run.result == result
     assert runner.last_run.coordination == "channel"  # no Spark allGather/barrier on the way
     assert runner.last_run.status == "success" and runner.last_run.np == 2
     assert 0 < runner.last_run.phases["facts"] <= runner.last_run.phases["start"] < runner.last_run.phases["released"]

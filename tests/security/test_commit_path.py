@@ -13,6 +13,7 @@ import pytest
 from airflow_provider_horovod import ArtifactError, HorovodRunError, HorovodRunner
 from airflow_provider_horovod.plugins import store as view_store
 from airflow_provider_horovod.runner import artifacts, names
+from airflow_provider_horovod.runner.records import Layout
 from airflow_provider_horovod.runner.task.barrier import RunSpec, upload_artifacts
 from tests.integration import jobs
 
@@ -42,8 +43,8 @@ def test_a_run_whose_upload_fails_fails_and_never_commits_a_complete_marker(tmp_
     runner = HorovodRunner(-1, launcher="gloo", artifact_dir=tmp_path / "a")
     with pytest.raises((HorovodRunError, ArtifactError), match="did not reach the driver"):
         runner.run(jobs.checkpoint_job, epochs=1)
-    marker = artifacts.read_marker(tmp_path / "a")
-    assert marker["complete"] is False and marker["status"] != "success"
+    marker = Layout(tmp_path / "a").read_run_marker()
+    assert marker.complete is False and marker.status != "success"
 
 
 @pytest.mark.parametrize("event", [
@@ -58,10 +59,10 @@ def test_a_crafted_timeline_does_not_stop_the_checkpoint_commit(tmp_path, event)
     (staging / "timeline.json").write_text(json.dumps(events))
     info = artifacts.commit(tmp_path / "out", staging, status="success", complete=True, run_id="r",
                             received=[{"path": "checkpoints/model.pt", "size": 7}])
-    assert info["complete"] is True and info["checkpoint"] == "checkpoints"
+    assert info.complete is True and info.checkpoint == "checkpoints"
     assert (tmp_path / "out" / "checkpoints" / "model.pt").read_bytes() == b"weights"
-    assert artifacts.read_marker(tmp_path / "out")["complete"] is True
-    assert info["timeline_error"].split(":")[0] in ("ValueError", "OverflowError")  # named, not raised
+    assert Layout(tmp_path / "out").read_run_marker().complete is True
+    assert info.timeline["timeline_error"].split(":")[0] in ("ValueError", "OverflowError")  # named, not raised
 
 
 def test_the_view_reads_a_tries_file_list_once_not_once_per_file(tmp_path, monkeypatch):
@@ -76,7 +77,7 @@ def test_the_view_reads_a_tries_file_list_once_not_once_per_file(tmp_path, monke
     calls = [0]
     real = view_store._relative_ok
     monkeypatch.setattr(view_store, "_relative_ok", lambda rel: calls.__setitem__(0, calls[0] + 1) or real(rel))
-    one_try = view_store.Try(1, store.storage_path(str(folder)), json.loads((folder / "_ARTIFACTS.json").read_text()))
+    one_try = view_store.Try(1, store.storage_path(str(folder)), store.read_marker(store.storage_path(str(folder))))
     assert len(one_try.files()) == 2000
     assert calls[0] <= 2 * len(names_)  # linear in the files: each name checked once, not once per file
     assert Path(str(one_try.file("checkpoints/f-0007.pt").path)).read_bytes() == b"x"

@@ -38,7 +38,7 @@ def layout(tmp_path):
     (local / "checkpoints" / "model.pt").write_bytes(b"weights")
     (local / ENGINE_MARKER).write_text(json.dumps({"status": "success", "complete": True}))
     committed = store.prepare_try(str(root), dag_id="train", run_id="r1", task_id="train", try_number=1)
-    store.store_try(local, committed, {"try_number": 1})
+    store.store_try(local, committed, store.TryMarker(status=store.TryStatus.SUCCESS, complete=False, try_number=1))
     home.mkdir()
     (home / "airflow.cfg").write_text("[core]\nfernet_key = the-key\n")
     return types.SimpleNamespace(root=root, home=home, committed=committed, tmp=tmp_path)

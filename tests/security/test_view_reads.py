@@ -35,7 +35,7 @@ def _committed_try(folder, files: dict[str, bytes]) -> view_store.Try:
         (folder / rel).write_bytes(data)
     marker = {"status": "success", "complete": True, "stored_files": sorted(files)}
     (folder / store.MARKER).write_text(json.dumps(marker))
-    return view_store.Try(1, store.storage_path(str(folder)), marker)
+    return view_store.Try(1, store.storage_path(str(folder)), store.TryMarker.from_json(marker))
 
 
 def test_drawing_a_timeline_costs_the_api_server_less_memory_than_twice_its_size(tmp_path):

@@ -37,7 +37,7 @@ def test_recorder_keeps_every_report_logs_at_most_once_per_interval_and_commits_
         final = recorder.close()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in lines] == list(range(1, 41))
-    assert lines[-1] == {"step": 40, "total_steps": 100, "time": 20.0, "values": {"loss": 0.025}}
+    assert lines[-1] == {"schema": 1, "step": 40, "total_steps": 100, "time": 20.0, "values": {"loss": 0.025}}
     progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Horovod progress:")]
     assert [p.split(",")[0] for p in progress] == ["Horovod progress: step 1/100 (1%)", "Horovod progress: step 21/100 (21%)",
                                                    "Horovod progress: step 40/100 (40%)"]  # at 0.5 s, 10.5 s, the end

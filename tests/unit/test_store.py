@@ -50,7 +50,7 @@ def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_chec
     (local / "checkpoints" / "epoch-1.pt").write_bytes(b"one")
     (local / ENGINE_MARKER).write_text(json.dumps({"status": "failed", "complete": True}))
     try1 = prepare(root, 1)
-    marker = store.store_try(local, try1, {"try_number": 1})
+    marker = store.store_try(local, try1, store.TryMarker(status=store.TryStatus.FAILED, complete=False, try_number=1))
     assert marker.status is store.TryStatus.FAILED and marker.stored_files == ("checkpoints/epoch-1.pt",)
     assert json.loads((try1 / store.MARKER).read_text())["try_number"] == 1
     # try 2 died before committing anything: its half-written checkpoint is never offered
@@ -108,7 +108,7 @@ def test_a_full_store_keeps_the_previous_version_newest_and_names_the_path_and_c
     version, local = local_version(tmp_path, 1, {"model.pt": b"one"})
     store.commit_version(try1, local, version, keep=2)
     second, local2 = local_version(tmp_path, 2, {"a.pt": b"first file fits", "model.pt": b"two"})
-    target = Path(str(store.version_folder(try1, 2).path))
+    target = Path(str(store.Layout(try1).version(2).path))
     target.mkdir(parents=True)
     (target / "model.pt").symlink_to("/dev/full")  # the disk fills up at the version's second file
     with pytest.raises(ArtifactError, match=r"version 2 to .*versions/000002 \(OSError: .*No space left on device"):

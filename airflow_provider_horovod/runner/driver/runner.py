@@ -218,25 +218,25 @@ class HorovodRunner:
             complete = True  # no channel to hand anything over (Spark's fallback): an empty, complete run
             staging.mkdir(parents=True, exist_ok=True)
         try:
-            info = commit(artifact_dir, staging, status=report.status, complete=complete, run_id=report.run_id,
-                          received=channel.received, extra={"np": self.np, "launcher": self.launcher})
+            marker = commit(artifact_dir, staging, status=report.status, complete=complete, run_id=report.run_id,
+                            received=channel.received, np=self.np, launcher=self.launcher)
         except OSError as err:
             raise ArtifactError("Cannot commit artifacts to %s (%s)." % (artifact_dir, err), result=result) from err
         log.info("Artifacts of run %s (%s, %s): %d files in %s", report.run_id, report.status,
-                 "complete" if info["complete"] else "INCOMPLETE", len(info["files"]), artifact_dir)
-        report.artifacts = info
+                 "complete" if marker.complete else "INCOMPLETE", len(marker.files), artifact_dir)
+        report.artifacts = marker.to_json()
         report.artifact_transfer_s = channel.upload_seconds
         report.artifact_transport = channel.transport
         report.artifact_bytes = sum(f["size"] for f in channel.received)
-        if info.get("timeline_summary"):
-            report.timeline_path = str(artifact_dir / info["timeline"])
-            report.timeline_summary_path = str(artifact_dir / info["timeline_summary"])
-            report.timeline_picture_path = str(artifact_dir / info["timeline_picture"])
-        if info.get("checkpoint"):
-            report.checkpoint_path = str(artifact_dir / info["checkpoint"])
+        if marker.timeline.get("timeline_summary"):
+            report.timeline_path = str(artifact_dir / marker.timeline["timeline"])
+            report.timeline_summary_path = str(artifact_dir / marker.timeline["timeline_summary"])
+            report.timeline_picture_path = str(artifact_dir / marker.timeline["timeline_picture"])
+        if marker.checkpoint:
+            report.checkpoint_path = str(artifact_dir / marker.checkpoint)
         elif committed_versions(artifact_dir):
             report.checkpoint_path = str(committed_versions(artifact_dir)[-1][1])
-        if not info["complete"] and report.status == RunStatus.SUCCESS:
+        if not marker.complete and report.status == RunStatus.SUCCESS:
             raise ArtifactError("Rank 0's artifacts did not reach %s (%s); the run itself succeeded."
                                 % (artifact_dir, channel.upload_error or "rank 0's task never handed them over"),
                                 result=result)

@@ -38,12 +38,12 @@ from typing import Any
 from airflow_provider_horovod.runner import names, wire
 from airflow_provider_horovod.runner.artifacts import in_progress, put_version
 from airflow_provider_horovod.runner.messages import PutVersion
+from airflow_provider_horovod.runner.records import CommitRequest
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
 STOP_WAIT_S = 0.5  # at the run's end, how long a version in flight may still finish (the final hand-over has it all)
-COMMIT_MARKER = "_COMMIT.json"
 Stat = tuple[int, int, int]  # size, mtime_ns, inode
 
 
@@ -53,7 +53,7 @@ def file_stats(folder: Path) -> dict[str, Stat]:
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = [d for d in dirnames if not in_progress(d) and not os.path.islink(os.path.join(dirpath, d))]
         for name in filenames:
-            if in_progress(name) or name == COMMIT_MARKER:
+            if in_progress(name) or name == CommitRequest.FILE:
                 continue
             path = os.path.join(dirpath, name)
             with contextlib.suppress(OSError):
@@ -75,14 +75,14 @@ def link_tree(source: Path, dest: Path, rels: list[str]) -> None:
 
 
 # -- runtime.commit_checkpoint ------------------------------------------------------------------
-def request_commit(task: names.TaskDir, folder: Path, step: int | None, metrics: dict[str, Any]) -> None:
+def request_commit(task: names.TaskDir, folder: Path, request: CommitRequest) -> None:
     """Rank 0's call: the folder as it is now is one version. Replaces a commit not yet taken."""
     commits = task.path / names.COMMITS_DIR
     commits.mkdir(exist_ok=True)
     number = time.monotonic_ns()
     building = commits / (".%d" % number)
     link_tree(folder, building, sorted(file_stats(folder)))
-    (building / COMMIT_MARKER).write_text(json.dumps({"step": step, "metrics": metrics, "time": time.time()}))
+    (building / CommitRequest.FILE).write_text(json.dumps(request.to_json()))
     os.rename(building, commits / ("%020d" % number))
     for older in commits.iterdir():
         if older.name.isdigit() and int(older.name) < number:
@@ -197,7 +197,7 @@ class Shipper(threading.Thread):
     def _explicit(self) -> bool:
         return (self.task.path / names.COMMITS_DIR).is_dir()
 
-    def _take_commit(self) -> dict[str, Any] | None:
+    def _take_commit(self) -> CommitRequest | None:
         """The newest pending ``commit_checkpoint`` snapshot, moved into the outbox; older ones dropped."""
         commits = self.task.path / names.COMMITS_DIR
         with contextlib.suppress(OSError, ValueError):
@@ -206,9 +206,9 @@ class Shipper(threading.Thread):
                 for older in pending[:-1]:
                     shutil.rmtree(older, ignore_errors=True)
                 os.rename(pending[-1], self.outbox)
-                meta = json.loads((self.outbox / COMMIT_MARKER).read_text())
-                (self.outbox / COMMIT_MARKER).unlink()
-                return meta if isinstance(meta, dict) else {}
+                request = CommitRequest.from_json(json.loads((self.outbox / CommitRequest.FILE).read_text()))
+                (self.outbox / CommitRequest.FILE).unlink()
+                return request
         return None
 
     def _changed(self, stats: dict[str, Stat]) -> list[str]:
@@ -220,20 +220,20 @@ class Shipper(threading.Thread):
         if not self._changed(stats) and set(stats) == set(self._base):
             return
         link_tree(self.folder, self.outbox, self._changed(stats))
-        self._ship({"step": None, "metrics": {}}, stats)
+        self._ship(CommitRequest(time=time.time()), stats)
 
-    def _ship_commit(self, meta: dict[str, Any]) -> None:
+    def _ship_commit(self, request: CommitRequest) -> None:
         """A ``commit_checkpoint`` snapshot: every file it holds, the unchanged ones dropped before sending."""
         stats = file_stats(self.outbox)
         for rel in set(stats) - set(self._changed(stats)):
             os.unlink(self.outbox / rel)
-        self._ship(meta, stats)
+        self._ship(request, stats)
 
-    def _ship(self, meta: dict[str, Any], stats: dict[str, Stat]) -> None:
+    def _ship(self, request: CommitRequest, stats: dict[str, Stat]) -> None:
         """One version over the channel: the header, the changed files (copied by the driver when it
         sees this folder, else streamed), then whether they stayed as they were while they travelled."""
         sent = {rel: stats[rel][:2] for rel in self._changed(stats)}
-        version = PutVersion(step=meta.get("step"), metrics=meta.get("metrics") or {},
+        version = PutVersion(step=request.step, metrics=dict(request.metrics),
                              manifest={rel: st[0] for rel, st in stats.items()})
         try:
             put_version(self._channel, self._secret, version, self.outbox, self.task.path,

@@ -89,7 +89,7 @@ class Scenarios:
         out["plan"] = next((e["slots"] for e in report.events if e.get("kind") == "plan"), None)
         out["phases"] = dict(report.phases)  # when the supervisor stopped the run, when the job ended
         out["orted_launched"] = sorted({e["executor"] for e in report.events if e.get("kind") == "orted-launched"})
-        out["report"] = {k: report[k] for k in ("status", "artifact_transport", "artifact_bytes", "checkpoint_path",
+        out["report"] = {k: getattr(report, k) for k in ("status", "artifact_transport", "artifact_bytes", "checkpoint_path",
                                                 "timeline_path", "artifacts")}
         out["leftovers"] = self.leftovers()
         return out
@@ -233,7 +233,8 @@ class Scenarios:
             while time.monotonic() < deadline:
                 seen = versions.committed(first)
                 if sum(v.step is not None for v, _ in seen) >= 3:  # three of commit_checkpoint's, rank 0's host in each
-                    victim = next(h for h in self.bed.workers if h.hostname == seen[-1][0].metrics["host"])
+                    host = (seen[-1][1] / "host.txt").read_text()  # rank 0's host, in each of its versions
+                    victim = next(h for h in self.bed.workers if h.hostname == host)
                     ran_mpirun = self.runs_mpirun(victim)
                     seen = versions.committed(first)  # the last look before the loss
                     killed.update(host=victim.address, name=victim.name, ran_mpirun=ran_mpirun, at=time.monotonic(),
@@ -252,7 +253,7 @@ class Scenarios:
         out["killed"] = killed
         out["kill_to_error_s"] = round(out["ended_at"] - killed["at"], 2) if killed else None
         out["listed"] = [v["seq"] for v in runner.last_run.checkpoints]
-        out["entries"] = sorted(p.name for p in (first / versions.VERSIONS_DIR).iterdir())
+        out["entries"] = sorted(p.name for p in (first / versions.VERSIONS).iterdir())
         out["offered"] = offered_versions(first)
         found = store.latest_checkpoint(store.storage_path(task / "try-2"), 2)  # what a retry's resume search finds
         if found is None:

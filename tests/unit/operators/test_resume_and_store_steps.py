@@ -114,4 +114,4 @@ def test_the_try_store_keeps_a_result_that_is_not_json_beside_the_artifacts_and_
     assert store.storage_path(xcom["checkpoint_uri"]).name == "checkpoints"
     marker = store.read_marker(folder)
     assert marker.complete and marker.status == store.TryStatus.SUCCESS
-    assert marker.fields["launcher"] == "torch" and "checkpoints/final.pt" in marker.stored_files
+    assert marker.launcher == "torch" and "checkpoints/final.pt" in marker.stored_files

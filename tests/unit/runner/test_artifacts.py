@@ -19,10 +19,10 @@ from airflow_provider_horovod.runner.artifacts import (
     make_offer,
     open_dir,
     open_offer,
-    read_marker,
     receive_tree,
     summarize,
 )
+from airflow_provider_horovod.runner.records import Layout
 from airflow_provider_horovod.runner.messages import TransferError
 from airflow_provider_horovod.runner.timeline import parse
 
@@ -66,12 +66,12 @@ def test_commit_repairs_the_timeline_and_writes_the_marker_last(tmp_path):
     (staging / "checkpoints" / "epoch-0.pt").write_bytes(b"w")
     (staging / "timeline.json").write_text(HOROVOD_STYLE)
     info = commit(tmp_path / "out", staging, status="failed", complete=True, run_id="x", received=[])
-    assert info["checkpoint"] == "checkpoints" and info["timeline"] == "timeline.json"
+    assert info.checkpoint == "checkpoints" and info.timeline["timeline"] == "timeline.json"
     assert len(json.loads((tmp_path / "out" / "timeline.json").read_text())) == 5
     svg = (tmp_path / "out" / "timeline.svg").read_text()
     assert svg.startswith("<svg") and "grad.0" in svg and "ALLREDUCE" in svg  # the lanes-over-time picture
     assert not staging.exists()
-    assert read_marker(tmp_path / "out")["status"] == "failed"
+    assert Layout(tmp_path / "out").read_run_marker().status == "failed"
 
 
 def test_incomplete_transfer_stays_in_staging(tmp_path):
@@ -79,7 +79,7 @@ def test_incomplete_transfer_stays_in_staging(tmp_path):
     (staging / "checkpoints").mkdir(parents=True)
     commit(tmp_path / "out", staging, status="cancelled", complete=False, run_id="y", received=[])
     assert not (tmp_path / "out" / "checkpoints").exists()
-    assert read_marker(tmp_path / "out")["complete"] is False
+    assert Layout(tmp_path / "out").read_run_marker().complete is False
 
 
 def test_files_being_written_are_recognised():

@@ -14,8 +14,8 @@ The driver's side runs inside the driver's namespace. Each round, in alternating
   commits a one-file version (``runtime.commit_checkpoint``), so its rename ships no version and the
   final hand-over alone carries the checkpoint; ``--durable`` leaves the rename to ship it as a
   version as well (then the driver lands the checkpoint twice, and the hand-over's figure shows it).
-- ``stream``: the same stream without Spark: ``artifacts.send_tree`` in a process on the worker
-  host to ``artifacts.receive_tree`` in a thread of the driver's process, over ``wire``'s
+- ``stream``: the same stream without Spark: ``transfer.send_tree`` in a process on the worker
+  host to ``transfer.receive_tree`` in a thread of the driver's process, over ``wire``'s
   authenticated connection. CPU: the sending process's and the receiving thread's own.
 - ``tcp``: the same number of bytes, from a file on the worker host's /tmp, sent with
   ``socket.sendfile`` over one TCP connection to the driver, which writes it to a file in the same
@@ -74,7 +74,7 @@ print(cpu() - began)
 STREAM_SENDER = """
 import os, resource, sys
 from pathlib import Path
-from airflow_provider_horovod.runner import artifacts, wire
+from airflow_provider_horovod.runner import transfer, wire
 addr, port, secret, path = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3]), sys.argv[4]
 tree = Path(path + '.tree')
 tree.mkdir(exist_ok=True)
@@ -85,7 +85,7 @@ def cpu():
     return r.ru_utime + r.ru_stime
 conn = wire.connect((addr, port), wire.Credentials.of(secret, wire.ROLE_TASK))
 began = cpu()
-artifacts.send_tree(conn, tree)
+transfer.send_tree(conn, tree)
 conn.close()
 print(cpu() - began)
 """
@@ -145,13 +145,13 @@ def tcp_transfer(bed, worker, source: str, dest: Path) -> Transfer:
 
 def stream_transfer(bed, worker, source: str, dest: Path) -> Transfer:
     """``source`` as a one-file tree over the authenticated stream, without Spark."""
-    from airflow_provider_horovod.runner import artifacts, wire
+    from airflow_provider_horovod.runner import transfer, wire
 
     secret = wire.new_secret()
 
     def receive(sock: socket.socket) -> int:
         conn = wire.handshake(sock, wire.server_keys(secret, wire.ROLE_TASK))
-        return sum(f["size"] for f in artifacts.receive_tree(conn, dest))
+        return sum(f["size"] for f in transfer.receive_tree(conn, dest))
 
     try:
         return _from_worker(bed, worker, STREAM_SENDER, [secret.hex(), source], receive)

@@ -17,7 +17,7 @@ from airflow.sdk.definitions._internal.mixins import ResolveMixin
 from airflow_provider_horovod import store
 from airflow_provider_horovod.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsRecorder, check_progress_interval
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
-from airflow_provider_horovod.runner.artifacts import Limits
+from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.events import Failure, RunReport, RunStatus
 from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, DEFAULT_START_TIMEOUT_S, Launcher, check_options

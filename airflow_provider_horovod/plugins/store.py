@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from airflow_provider_horovod import store
 from airflow_provider_horovod.runner import timeline as hvd_timeline
-from airflow_provider_horovod.runner.artifacts import OPEN_FILE, open_below
+from airflow_provider_horovod.runner.transfer import OPEN_FILE, open_below
 from airflow_provider_horovod.store import MARKER, TIMELINE
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ from jinja2 import Environment
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
 from airflow.api_fastapi.core_api.security import requires_access_dag
 
-from airflow_provider_horovod.metrics import rate
+from airflow_provider_horovod.metrics import duration_text, rate
 from airflow_provider_horovod.plugins.store import BadRequest, NotFound, TaskArtifacts, Try, roots
 from airflow_provider_horovod.runner.events import RunStatus
 from airflow_provider_horovod.runner.messages import Report
@@ -110,7 +110,8 @@ def _progress(t: Try, *, running: bool) -> dict[str, Any]:
     """One try's reports for the charts, and its progress from the first and the newest of them."""
     rows = t.metrics(MAX_CHART_ROWS)
     out: dict[str, Any] = {"try_number": t.number, "status": RunStatus.RUNNING if running else t.status, "rows": rows,
-                           "newest": rows[-1] if rows else None, "elapsed_s": None, "steps_per_s": None, "eta_s": None}
+                           "newest": rows[-1] if rows else None, "elapsed_s": None, "elapsed": None, "steps_per_s": None,
+                           "eta_s": None, "eta": None}
     if not rows:
         return out
     try:
@@ -119,9 +120,11 @@ def _progress(t: Try, *, running: bool) -> dict[str, Any]:
         return out
     speed = rate(first, newest)
     out["elapsed_s"] = round(newest.time - first.time, 1)
+    out["elapsed"] = duration_text(out["elapsed_s"])  # the page shows durations as the task log does
     out["steps_per_s"] = round(speed, 2) if speed else None
     if speed and newest.total_steps and newest.step is not None and running:
         out["eta_s"] = round(max(0, newest.total_steps - newest.step) / speed, 1)
+        out["eta"] = duration_text(out["eta_s"])
     return out
 
 
@@ -320,13 +323,6 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
   var NS = "http://www.w3.org/2000/svg", COLORS = ["#1a5fb4", "#c64600", "#26a269", "#813d9c", "#986a44", "#e01b24"];
   var selected = Number(section.dataset.try), refresh = Number(section.dataset.refresh) * 1000;
   function text(id, value) { document.getElementById(id).textContent = value; }
-  function duration(s) {
-    if (s === null || s === undefined) return "–";
-    s = Math.round(s);
-    if (s < 60) return s + "s";
-    if (s < 3600) return Math.floor(s / 60) + "m" + String(s % 60).padStart(2, "0") + "s";
-    return Math.floor(s / 3600) + "h" + String(Math.floor(s % 3600 / 60)).padStart(2, "0") + "m";
-  }
   function svg(tag, attrs, parent) {
     var el = document.createElementNS(NS, tag);
     for (var k in attrs) el.setAttribute(k, attrs[k]);
@@ -372,8 +368,8 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
       bar.value = Math.min(1, newest.step / newest.total_steps);
       text("progress-step", "step " + newest.step + "/" + newest.total_steps + " (" + Math.floor(100 * newest.step / newest.total_steps) + "%)");
     } else { bar.removeAttribute("value"); text("progress-step", newest && newest.step !== null ? "step " + newest.step : ""); }
-    text("progress-elapsed", duration(mine && mine.elapsed_s));
-    text("progress-eta", duration(mine && mine.eta_s));
+    text("progress-elapsed", (mine && mine.elapsed) || "–");
+    text("progress-eta", (mine && mine.eta) || "–");
     text("progress-rate", mine && mine.steps_per_s ? mine.steps_per_s.toFixed(1) : "–");
     var table = document.getElementById("newest-metrics"); table.textContent = "";
     Object.keys(newest ? newest.values : {}).forEach(function (k) {

@@ -11,7 +11,7 @@ Two families, both written here once:
 - **Exec-service messages** go between mpirun's rsh agent and a host's exec service (``rsh.py``,
   ``mpi.py``), on a connection of their own: ``LaunchOrted``, then ``OrtedStarted`` and ``OrtedExited``.
 - **Transfer messages** follow ``put``, ``fetch-resume`` or ``put-version`` on that connection
-  (both sides of the exchange are in ``artifacts.py``: ``offer_tree`` and ``take_tree``); each is
+  (both sides of the exchange are in ``transfer.py``: ``offer_tree`` and ``take_tree``); each is
   a frame of one key (``{"mode": ...}``) that the peer expects next, so it carries no ``t``. Their
   decoding is as forgiving as the exchange has always been: what is not understood makes the
   transfer fall back (to a stream, or a refusal); a stream's file header that breaks the rules is

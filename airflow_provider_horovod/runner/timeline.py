@@ -8,19 +8,26 @@ not operations. Here they become what they mean: ticks on the lane, and the time
 rank waited for the last one ("waiting for ranks"), which is where a stalled rank shows.
 
 Pure functions, no Airflow: the view (``plugins/``) reads ``timeline.json`` from any store and calls
-:func:`parse` and :func:`render_svg`.
+:func:`parse` and :func:`render_svg`. At the run's end the driver repairs the file Horovod left
+(closing an array a dying rank left open) and writes its summary and picture beside it
+(:func:`draw_timeline`).
 """
 
 from __future__ import annotations
 
 import bisect
 import codecs
+import contextlib
 import dataclasses
 import html
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, BinaryIO
+
+from airflow_provider_horovod.runner import records
 
 WAITING_FOR_RANKS = "waiting for ranks"
 
@@ -455,3 +462,61 @@ def _float(value: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
+
+
+# -- the file Horovod wrote, repaired, summed up and drawn beside it --------------------------------
+def load_timeline(path: Path) -> list[dict[str, Any]]:
+    """Horovod's timeline as a list of events, closing the array if Horovod left it open.
+
+    A run that died mid-write may end in half an event; every whole event before it is kept.
+    """
+    text = path.read_text(errors="replace")
+    with contextlib.suppress(ValueError):
+        events = json.loads(text)
+        return events if isinstance(events, list) else []
+    decoder = json.JSONDecoder()
+    events: list[dict[str, Any]] = []
+    pos = text.find("[") + 1
+    while 0 < pos < len(text):
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            event, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def repair_timeline(path: Path) -> list[dict[str, Any]]:
+    """Rewrite ``path`` as valid JSON (Chrome trace format); return its events."""
+    events = load_timeline(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(events))
+    os.replace(tmp, path)
+    return events
+
+
+def summarize(timeline: Timeline) -> dict[str, Any]:
+    """Per operation: count, total time and share of the timeline's wall time, longest first, then
+    the time ranks waited for each other in negotiations (``waiting for ranks``)."""
+    return {
+        "wall_ms": round(timeline.wall_us / 1000, 3),
+        "events": timeline.events,
+        "operations": {t.name: {"count": t.count, "total_ms": t.total_ms, "share_of_wall": t.share_of_wall}
+                       for t in timeline.totals()},
+    }
+
+
+def draw_timeline(staging: Path) -> dict[str, Any]:
+    """The timeline's summary and picture beside it, for the marker. Rank 0 writes the timeline, so
+    one that cannot be parsed (a crafted event) is named in the marker and the commit goes on."""
+    try:
+        parsed = parse(repair_timeline(staging / records.TIMELINE))
+        summary, picture = json.dumps(summarize(parsed), indent=2), render_svg(parsed)
+    except (ValueError, OverflowError, TypeError, KeyError, AttributeError, RecursionError) as err:
+        return {"timeline": records.TIMELINE, "timeline_error": "%s: %s" % (type(err).__name__, err)}
+    (staging / records.SUMMARY).write_text(summary)
+    (staging / records.PICTURE).write_text(picture)
+    return {"timeline": records.TIMELINE, "timeline_summary": records.SUMMARY, "timeline_picture": records.PICTURE}

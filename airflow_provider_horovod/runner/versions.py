@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_horovod.runner.artifacts import Limits
+from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.messages import PutVersion, Report, safe_relative
 from airflow_provider_horovod.runner.records import VERSION_MARKER, VERSIONS, Layout, Version, version_name
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from airflow_provider_horovod import ArtifactError, HorovodRunError, HorovodRunner, RunCancelledError
-from airflow_provider_horovod.runner import artifacts
+from airflow_provider_horovod.runner import transfer
 from airflow_provider_horovod.runner.records import Layout
 from tests.integration import jobs
 
@@ -98,18 +98,18 @@ def test_cancel_during_artifact_transfer_leaves_the_folder_marked_incomplete(spa
     # when the cancel's grace runs out; the ranks' side is untouched.
     monkeypatch.setenv("HVDRUNNER_ARTIFACT_TRANSPORT", "auto" if transport == "copy" else "stream")
     if transport == "copy":
-        real_step = artifacts._copy_step
-        monkeypatch.setattr(artifacts, "COPY_CHUNK", 4 << 20)
-        monkeypatch.setattr(artifacts, "_copy_step", lambda *a: time.sleep(0.1) or real_step(*a))
+        real_step = transfer._copy_step
+        monkeypatch.setattr(transfer, "COPY_CHUNK", 4 << 20)
+        monkeypatch.setattr(transfer, "_copy_step", lambda *a: time.sleep(0.1) or real_step(*a))
     else:
-        real_receive = artifacts.receive_tree
+        real_receive = transfer.receive_tree
 
         def slow_receive(conn, dest, *limits):
             recv_frame_to = conn.recv_frame_to  # one call per 4 MiB chunk
             conn.recv_frame_to = lambda *a, **k: time.sleep(0.1) or recv_frame_to(*a, **k)
             return real_receive(conn, dest, *limits)
 
-        monkeypatch.setattr(artifacts, "receive_tree", slow_receive)
+        monkeypatch.setattr(transfer, "receive_tree", slow_receive)
     dest = tmp_path / "a"
     runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=dest)
     errors = []

@@ -11,7 +11,7 @@ import pytest
 
 from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.runner import names, wire
-from airflow_provider_horovod.runner.artifacts import Limits, make_offer, send_tree
+from airflow_provider_horovod.runner.transfer import Limits, make_offer, send_tree
 from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.events import UploadFinished, UploadStarted
 from airflow_provider_horovod.runner.plan import TaskFacts, make_plan
@@ -247,7 +247,7 @@ def test_download_keeps_every_file_inside_its_folder_and_follows_no_link(tmp_pat
 
 @pytest.mark.parametrize("transport", ["auto", "stream"])
 def test_a_task_on_the_drivers_host_copies_resume_from_itself(tmp_path, monkeypatch, transport):
-    from airflow_provider_horovod.runner.artifacts import take_tree
+    from airflow_provider_horovod.runner.transfer import take_tree
 
     monkeypatch.setenv("HVDRUNNER_ARTIFACT_TRANSPORT", transport)
     (tmp_path / "resume").mkdir()
@@ -273,7 +273,7 @@ def test_a_task_on_the_drivers_host_copies_resume_from_itself(tmp_path, monkeypa
 
 
 def test_a_task_that_cannot_write_its_proof_file_still_delivers_by_stream(tmp_path, channel):
-    from airflow_provider_horovod.runner.artifacts import offer_tree
+    from airflow_provider_horovod.runner.transfer import offer_tree
 
     task = _task_dir(tmp_path)
     conn = wire.connect(channel.address, TASK)

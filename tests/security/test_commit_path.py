@@ -12,7 +12,8 @@ import pytest
 
 from airflow_provider_horovod import ArtifactError, HorovodRunError, HorovodRunner
 from airflow_provider_horovod.plugins import store as view_store
-from airflow_provider_horovod.runner import artifacts, names
+from airflow_provider_horovod.runner.driver import artifact_dir
+from airflow_provider_horovod.runner import transfer, names
 from airflow_provider_horovod.runner.records import Layout
 from airflow_provider_horovod.runner.task.barrier import RunSpec, upload_artifacts
 from tests.integration import jobs
@@ -39,7 +40,7 @@ def test_a_run_whose_upload_fails_fails_and_never_commits_a_complete_marker(tmp_
     def refused(conn, root, proof_dir):
         raise ConnectionResetError("the driver's channel dropped the hand-over")
 
-    monkeypatch.setattr(artifacts, "offer_tree", refused)  # rank 0's task (np < 0: a thread of this process)
+    monkeypatch.setattr(transfer, "offer_tree", refused)  # rank 0's task (np < 0: a thread of this process)
     runner = HorovodRunner(-1, launcher="gloo", artifact_dir=tmp_path / "a")
     with pytest.raises((HorovodRunError, ArtifactError), match="did not reach the driver"):
         runner.run(jobs.checkpoint_job, epochs=1)
@@ -57,7 +58,7 @@ def test_a_crafted_timeline_does_not_stop_the_checkpoint_commit(tmp_path, event)
     (staging / "checkpoints" / "model.pt").write_bytes(b"weights")
     events = [{"name": "ALLREDUCE", "ph": "B", "pid": 1, "ts": 1}, event, {"name": "ALLREDUCE", "ph": "E", "pid": 1, "ts": 5}]
     (staging / "timeline.json").write_text(json.dumps(events))
-    info = artifacts.commit(tmp_path / "out", staging, status="success", complete=True, run_id="r",
+    info = artifact_dir.commit(tmp_path / "out", staging, status="success", complete=True, run_id="r",
                             received=[{"path": "checkpoints/model.pt", "size": 7}])
     assert info.complete is True and info.checkpoint == "checkpoints"
     assert (tmp_path / "out" / "checkpoints" / "model.pt").read_bytes() == b"weights"

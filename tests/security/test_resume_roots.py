@@ -15,7 +15,7 @@ import pytest
 from airflow_provider_horovod import store
 from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
-from airflow_provider_horovod.runner.artifacts import ENGINE_MARKER
+from airflow_provider_horovod.runner.records import RUN_MARKER as ENGINE_MARKER
 
 
 def _resume(op: HorovodRunnerOperator, folder) -> str:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_horovod.runner import artifacts, names, wire
-from airflow_provider_horovod.runner.artifacts import take_tree
+from airflow_provider_horovod.runner import transfer, names, wire
+from airflow_provider_horovod.runner.transfer import take_tree
 from airflow_provider_horovod.runner.driver.channel import Channel
 from tests.plans import loopback_plan
 from tests.security.attacker import SECRET, TASK, hung_up
@@ -68,7 +68,7 @@ def test_fetch_resume_is_served_once_to_each_host_leader_and_to_no_one_else(tmp_
 
 def test_an_offer_before_the_plan_is_streamed_never_copied(tmp_path, channel):
     task = _task_dir(tmp_path)
-    assert _put(channel, artifacts.make_offer(task / names.ARTIFACTS_DIR, task), stream_root=None)["ok"]
+    assert _put(channel, transfer.make_offer(task / names.ARTIFACTS_DIR, task), stream_root=None)["ok"]
     assert channel.transport == "stream" and _staged(tmp_path) == {}
 
 
@@ -80,7 +80,7 @@ def test_a_plan_naming_a_folder_this_run_did_not_make_is_never_copied_from(tmp_p
     other.chmod(0o700)
     (other / names.ARTIFACTS_DIR / "their-model.pt").write_bytes(b"another run's checkpoint")
     channel.expect_plan(_plan([other]))
-    assert _put(channel, artifacts.make_offer(other / names.ARTIFACTS_DIR, other), stream_root=None)["ok"]
+    assert _put(channel, transfer.make_offer(other / names.ARTIFACTS_DIR, other), stream_root=None)["ok"]
     assert channel.transport == "stream" and _staged(tmp_path) == {}
 
 
@@ -93,7 +93,7 @@ def test_a_task_folder_swapped_for_a_link_after_the_proof_was_read_is_never_copi
     other.chmod(0o700)
     (other / names.ARTIFACTS_DIR / "their-model.pt").write_bytes(b"another run's checkpoint")
     channel.expect_plan(_plan([task]))
-    read = artifacts._read_proof
+    read = transfer._read_proof
 
     def read_then_swap(dir_fd, name, token):
         found = read(dir_fd, name, token)
@@ -102,7 +102,7 @@ def test_a_task_folder_swapped_for_a_link_after_the_proof_was_read_is_never_copi
         (tmp_path / "here" / task.name).symlink_to(other)
         return found
 
-    monkeypatch.setattr(artifacts, "_read_proof", read_then_swap)
-    assert _put(channel, artifacts.make_offer(task / names.ARTIFACTS_DIR, task), stream_root=None)["ok"]
+    monkeypatch.setattr(transfer, "_read_proof", read_then_swap)
+    assert _put(channel, transfer.make_offer(task / names.ARTIFACTS_DIR, task), stream_root=None)["ok"]
     assert "their-model.pt" not in str(_staged(tmp_path))
     assert _staged(tmp_path) == {"checkpoints/epoch-1.pt": b"weights"}  # the folder the proof was read in

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.runner import events, messages, names, wire
-from airflow_provider_horovod.runner.artifacts import TRANSFER_TIMEOUT_S, Limits, offer_tree, take_tree
+from airflow_provider_horovod.runner.transfer import TRANSFER_TIMEOUT_S, Limits, offer_tree, take_tree
 from airflow_provider_horovod.runner.messages import Mode, Receipt, Received, Report, TransferError
 from airflow_provider_horovod.runner.plan import Plan
 from airflow_provider_horovod.runner.text import one_line

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.exceptions import ArtifactError, RunCancelledError
-from airflow_provider_horovod.runner.artifacts import Limits, check_writable, commit
+from airflow_provider_horovod.runner.driver.artifact_dir import check_writable, commit
+from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.driver import executors
 from airflow_provider_horovod.runner.driver.attempt import Attempt

@@ -31,7 +31,7 @@ from typing import Any
 
 from airflow_provider_horovod.exceptions import ExecutorMismatchError
 from airflow_provider_horovod.runner import messages, names, procs, wire
-from airflow_provider_horovod.runner.artifacts import fetch_resume
+from airflow_provider_horovod.runner.transfer import fetch_resume
 from airflow_provider_horovod.runner.client import ChannelClient
 from airflow_provider_horovod.runner.dataset import DatasetSpec, spill
 from airflow_provider_horovod.runner.environment import stack_differences, stack_of_this_host
@@ -217,7 +217,7 @@ def upload_artifacts(spec: RunSpec, task: TaskDir) -> Failure | None:
     The driver copies them itself when it can prove it sees this folder (same host), otherwise
     they are streamed over the channel.
     """
-    from airflow_provider_horovod.runner.artifacts import RefusedError, upload_tree
+    from airflow_provider_horovod.runner.transfer import RefusedError, upload_tree
 
     if not spec.collect_artifacts or spec.channel is None:
         return None

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.runner import names, wire
-from airflow_provider_horovod.runner.artifacts import in_progress, put_version
+from airflow_provider_horovod.runner.transfer import in_progress, put_version
 from airflow_provider_horovod.runner.messages import PutVersion
 from airflow_provider_horovod.runner.records import CommitRequest
 

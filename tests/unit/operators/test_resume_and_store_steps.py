@@ -12,7 +12,7 @@ import cloudpickle
 
 from airflow_provider_horovod import store
 from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
-from airflow_provider_horovod.runner.artifacts import commit
+from airflow_provider_horovod.runner.driver.artifact_dir import commit
 from airflow_provider_horovod.runner.events import RunReport, RunStatus
 from airflow_provider_horovod.runner.versions import Version
 

@@ -126,6 +126,7 @@ def test_a_running_try_shows_its_live_metrics_and_a_linked_metrics_file_is_not_r
     live = _progress(second, running=True)
     assert (live["status"], live["newest"]["step"], live["elapsed_s"], live["steps_per_s"], live["eta_s"]) == \
         ("running", 60, 10.0, 2.0, 20.0)
+    assert (live["elapsed"], live["eta"]) == ("10s", "20s")  # as the task log's progress line says them
     done = _progress(first, running=False)
     assert (done["status"], [r["step"] for r in done["rows"]], done["eta_s"]) == ("failed", [0, 40], None)
     secret = tmp_path / "secret.jsonl"

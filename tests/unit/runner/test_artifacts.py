@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_horovod.runner import artifacts, wire
-from airflow_provider_horovod.runner.artifacts import (
-    commit,
+from airflow_provider_horovod.runner import transfer, wire
+from airflow_provider_horovod.runner.driver.artifact_dir import commit
+from airflow_provider_horovod.runner.timeline import load_timeline, summarize
+from airflow_provider_horovod.runner.transfer import (
     copy_tree,
     in_progress,
-    load_timeline,
     make_offer,
     open_dir,
     open_offer,
     receive_tree,
-    summarize,
 )
 from airflow_provider_horovod.runner.records import Layout
 from airflow_provider_horovod.runner.messages import TransferError
@@ -131,7 +130,7 @@ def test_copy_falls_back_when_the_kernel_refuses(tmp_path, monkeypatch, refused)
 
 
 def test_copy_stopped_midway_leaves_no_file_that_looks_whole(tmp_path, monkeypatch):
-    monkeypatch.setattr(artifacts, "COPY_CHUNK", 1 << 20)
+    monkeypatch.setattr(transfer, "COPY_CHUNK", 1 << 20)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "model.bin").write_bytes(os.urandom(4 << 20))
     progress = []
@@ -182,13 +181,13 @@ def test_streamed_files_appear_whole_in_order(tmp_path, framed):
 
 
 def test_send_tree_sends_each_file_whole_across_chunk_and_piece_boundaries(tmp_path, framed, monkeypatch):
-    monkeypatch.setattr(artifacts, "CHUNK", 3 << 20)
+    monkeypatch.setattr(transfer, "CHUNK", 3 << 20)
     monkeypatch.setattr(wire, "PIECE", 100_000)  # neither divides the other nor the file
     (tmp_path / "src" / "checkpoints").mkdir(parents=True)
     files = {"checkpoints/model.bin": os.urandom((7 << 20) + 12345), "empty.txt": b"", "tiny.json": b"{}"}
     for rel, data in files.items():
         (tmp_path / "src" / rel).write_bytes(data)
-    sender = threading.Thread(target=artifacts.send_tree, args=(framed[0], tmp_path / "src"))
+    sender = threading.Thread(target=transfer.send_tree, args=(framed[0], tmp_path / "src"))
     sender.start()
     received = receive_tree(framed[1], tmp_path / "dest")
     sender.join()

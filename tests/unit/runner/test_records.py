@@ -10,7 +10,7 @@ import pytest
 
 from airflow_provider_horovod import runtime
 from airflow_provider_horovod.runner import names, records
-from airflow_provider_horovod.runner.artifacts import Limits
+from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.messages import PutVersion, Report
 from airflow_provider_horovod.runner.records import (
     CommitRequest,

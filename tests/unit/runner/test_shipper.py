@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_horovod import runtime
-from airflow_provider_horovod.runner import artifacts, names, versions, wire
+from airflow_provider_horovod.runner import transfer, names, versions, wire
 from airflow_provider_horovod.runner.task import shipper
-from airflow_provider_horovod.runner.artifacts import Limits
+from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.driver.channel import Channel
 
 
@@ -138,7 +138,7 @@ def test_a_writer_faster_than_the_link_is_coalesced_and_rank_0_holds_at_most_two
 
 
 def test_a_file_rewritten_in_place_while_it_travels_is_never_committed_half_new(run, monkeypatch):
-    original = artifacts.send_tree  # what the version exchange streams with (artifacts.give_tree)
+    original = transfer.send_tree  # what the version exchange streams with (transfer.give_tree)
 
     def rewrite_then_send(conn, root):
         path = root / "model.pt"
@@ -147,7 +147,7 @@ def test_a_file_rewritten_in_place_while_it_travels_is_never_committed_half_new(
                 f.write(b"b")
         return original(conn, root)
 
-    monkeypatch.setattr(artifacts, "send_tree", rewrite_then_send)
+    monkeypatch.setattr(transfer, "send_tree", rewrite_then_send)
     monkeypatch.setenv(names.ENV_ARTIFACT_TRANSPORT, "stream")
     r = run()
     (r.folder / "model.pt").write_bytes(b"a" * 100)

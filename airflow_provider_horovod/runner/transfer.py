@@ -1,4 +1,5 @@
-"""Artifacts: rank 0's checkpoints and the Horovod timeline, pulled to the driver and committed.
+"""File transfers between the run's processes: rank 0's checkpoints and timeline to the driver,
+checkpoint versions while training runs, ``resume_from`` to every host.
 
 Both sides of every transfer live here: the side with the files (``offer_tree``: rank 0's task
 with its artifacts, ``upload_tree``, or a checkpoint version, ``put_version``; the driver with
@@ -12,13 +13,12 @@ Files move as a stream of frames over the run's authenticated channel (``send_tr
 instead: it writes a random token to a private file and sends the file's path and the token over
 the channel. Only a driver that reads the same token at that path, so sees the same files as the
 same user, copies them itself, in the kernel (``copy_tree``); any other answer falls back to the
-stream. Either way the files land in a staging folder inside ``artifact_dir``; ``commit`` moves
-them into place and writes ``_ARTIFACTS.json`` *last*. A reader trusts a folder only when that
-marker says ``"complete": true``.
+stream. Either way the files land in a staging folder inside ``artifact_dir``, and the driver
+commits them (``driver/artifact_dir.py``). Folders are walked by descriptor, no link followed.
 
 The rule training code follows: write a checkpoint under a temporary name (``*.tmp``, or a name
 starting with ``.``) and rename it when it is complete. Such files are never pulled, so a
-checkpoint being written when the run fails is never offered as complete.
+checkpoint being written when the run fails is never offered as complete (``in_progress``).
 """
 
 from __future__ import annotations
@@ -27,21 +27,16 @@ import contextlib
 import dataclasses
 import errno
 import hmac
-import json
 import os
 import secrets
-import shutil
 import stat
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from airflow_provider_horovod.exceptions import ArtifactError
-from airflow_provider_horovod.runner import records, wire
-from airflow_provider_horovod.runner import timeline as hvd_timeline
+from airflow_provider_horovod.runner import wire
 from airflow_provider_horovod.runner.messages import (
     FetchResume,
     FileHeader,
@@ -59,38 +54,14 @@ from airflow_provider_horovod.runner.messages import (
     wait_for,
 )
 
-ENGINE_MARKER = records.RUN_MARKER
 CHUNK = 4 << 20
 COPY_CHUNK = 64 << 20  # per copy_file_range call: how often a same-host copy looks for a cancel
 TRANSFER_TIMEOUT_S = 60.0  # a transfer's peer sends a frame or a heartbeat well within this
-TIMELINE = records.TIMELINE
-SUMMARY = records.SUMMARY
-PICTURE = records.PICTURE
-CHECKPOINTS = records.CHECKPOINTS
 
 
 def in_progress(name: str) -> bool:
     """A file that is still being written by the rule above."""
     return name.startswith((".", "~")) or name.endswith((".tmp", ".partial", ".part"))
-
-
-def check_writable(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` if needed and prove a file can be written there; else ``ArtifactError``."""
-    target = Path(path)
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        probe = target / (".probe-%s" % uuid.uuid4().hex)
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as err:
-        raise ArtifactError(
-            "Cannot write artifacts to %s (%s). Choose a folder this process can create and write." % (target, err.strerror or err)
-        ) from err
-    if (target / ENGINE_MARKER).exists():
-        raise ArtifactError(
-            "%s already holds the committed artifacts of an earlier run; give each run its own folder." % target
-        )
-    return target
 
 
 # -- walking a folder without following links ----------------------------------------------------
@@ -485,86 +456,3 @@ def put_version(channel: tuple[str, int], secret: bytes, version: PutVersion, ou
         receipt = wait_for(conn, Receipt)
         if not receipt.ok:
             raise OSError(receipt.error or "the driver did not commit the version")
-
-
-# -- timeline -------------------------------------------------------------------------------------
-def load_timeline(path: Path) -> list[dict[str, Any]]:
-    """Horovod's timeline as a list of events, closing the array if Horovod left it open.
-
-    A run that died mid-write may end in half an event; every whole event before it is kept.
-    """
-    text = path.read_text(errors="replace")
-    with contextlib.suppress(ValueError):
-        events = json.loads(text)
-        return events if isinstance(events, list) else []
-    decoder = json.JSONDecoder()
-    events: list[dict[str, Any]] = []
-    pos = text.find("[") + 1
-    while 0 < pos < len(text):
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        try:
-            event, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            break
-        if isinstance(event, dict):
-            events.append(event)
-    return events
-
-
-def repair_timeline(path: Path) -> list[dict[str, Any]]:
-    """Rewrite ``path`` as valid JSON (Chrome trace format); return its events."""
-    events = load_timeline(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(events))
-    os.replace(tmp, path)
-    return events
-
-
-def summarize(timeline: hvd_timeline.Timeline) -> dict[str, Any]:
-    """Per operation: count, total time and share of the timeline's wall time, longest first, then
-    the time ranks waited for each other in negotiations (``waiting for ranks``)."""
-    return {
-        "wall_ms": round(timeline.wall_us / 1000, 3),
-        "events": timeline.events,
-        "operations": {t.name: {"count": t.count, "total_ms": t.total_ms, "share_of_wall": t.share_of_wall}
-                       for t in timeline.totals()},
-    }
-
-
-def draw_timeline(staging: Path) -> dict[str, Any]:
-    """The timeline's summary and picture beside it, for the marker. Rank 0 writes the timeline, so
-    one that cannot be parsed (a crafted event) is named in the marker and the commit goes on."""
-    try:
-        parsed = hvd_timeline.parse(repair_timeline(staging / TIMELINE))
-        summary, picture = json.dumps(summarize(parsed), indent=2), hvd_timeline.render_svg(parsed)
-    except (ValueError, OverflowError, TypeError, KeyError, AttributeError, RecursionError) as err:
-        return {"timeline": TIMELINE, "timeline_error": "%s: %s" % (type(err).__name__, err)}
-    (staging / SUMMARY).write_text(summary)
-    (staging / PICTURE).write_text(picture)
-    return {"timeline": TIMELINE, "timeline_summary": SUMMARY, "timeline_picture": PICTURE}
-
-
-# -- commit ---------------------------------------------------------------------------------------
-def commit(artifact_dir: Path, staging: Path, *, status: str, complete: bool, run_id: str,
-           received: list[dict[str, Any]], np: int | None = None, launcher: str | None = None) -> records.RunMarker:
-    """Move what was received into ``artifact_dir`` and write the engine's marker last.
-
-    An incomplete transfer stays in its staging folder and the marker says ``complete: false``.
-    """
-    marker = records.RunMarker(status=status, complete=complete, run_id=run_id, files=tuple(received),
-                               committed_at=time.time(), np=np, launcher=launcher)
-    if complete:
-        if (staging / TIMELINE).exists():
-            marker = dataclasses.replace(marker, timeline=draw_timeline(staging))
-        if (staging / CHECKPOINTS).is_dir() and any((staging / CHECKPOINTS).iterdir()):
-            marker = dataclasses.replace(marker, checkpoint=CHECKPOINTS)
-        for entry in sorted(staging.iterdir()):
-            os.replace(entry, artifact_dir / entry.name)
-        shutil.rmtree(staging, ignore_errors=True)
-    else:
-        marker = dataclasses.replace(marker, staging=staging.name)
-    tmp = artifact_dir / (ENGINE_MARKER + ".tmp")
-    tmp.write_text(json.dumps(marker.to_json(), indent=2))
-    os.replace(tmp, artifact_dir / ENGINE_MARKER)
-    return marker

@@ -1,0 +1,63 @@
+"""The engine's ``artifact_dir`` on the driver: proven writable before anything runs, and the
+run's end committed into it, the engine's marker ``_RUN.json`` (``records.RunMarker``) *last*.
+A reader trusts the folder only when that marker says ``"complete": true``. The checkpoint
+versions committed while the run goes on are ``versions.py``'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from airflow_provider_horovod.exceptions import ArtifactError
+from airflow_provider_horovod.runner import records
+from airflow_provider_horovod.runner.timeline import draw_timeline
+
+
+def check_writable(path: str | os.PathLike[str]) -> Path:
+    """Create ``path`` if needed and prove a file can be written there; else ``ArtifactError``."""
+    target = Path(path)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / (".probe-%s" % uuid.uuid4().hex)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise ArtifactError(
+            "Cannot write artifacts to %s (%s). Choose a folder this process can create and write." % (target, err.strerror or err)
+        ) from err
+    if (target / records.RUN_MARKER).exists():
+        raise ArtifactError(
+            "%s already holds the committed artifacts of an earlier run; give each run its own folder." % target
+        )
+    return target
+
+
+
+def commit(artifact_dir: Path, staging: Path, *, status: str, complete: bool, run_id: str,
+           received: list[dict[str, Any]], np: int | None = None, launcher: str | None = None) -> records.RunMarker:
+    """Move what was received into ``artifact_dir`` and write the engine's marker last.
+
+    An incomplete transfer stays in its staging folder and the marker says ``complete: false``.
+    """
+    marker = records.RunMarker(status=status, complete=complete, run_id=run_id, files=tuple(received),
+                               committed_at=time.time(), np=np, launcher=launcher)
+    if complete:
+        if (staging / records.TIMELINE).exists():
+            marker = dataclasses.replace(marker, timeline=draw_timeline(staging))
+        if (staging / records.CHECKPOINTS).is_dir() and any((staging / records.CHECKPOINTS).iterdir()):
+            marker = dataclasses.replace(marker, checkpoint=records.CHECKPOINTS)
+        for entry in sorted(staging.iterdir()):
+            os.replace(entry, artifact_dir / entry.name)
+        shutil.rmtree(staging, ignore_errors=True)
+    else:
+        marker = dataclasses.replace(marker, staging=staging.name)
+    tmp = artifact_dir / (records.RUN_MARKER + ".tmp")
+    tmp.write_text(json.dumps(marker.to_json(), indent=2))
+    os.replace(tmp, artifact_dir / records.RUN_MARKER)
+    return marker

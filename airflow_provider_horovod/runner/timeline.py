@@ -502,6 +502,7 @@ def summarize(timeline: Timeline) -> dict[str, Any]:
     """Per operation: count, total time and share of the timeline's wall time, longest first, then
     the time ranks waited for each other in negotiations (``waiting for ranks``)."""
     return {
+        "schema": records.SCHEMA,
         "wall_ms": round(timeline.wall_us / 1000, 3),
         "events": timeline.events,
         "operations": {t.name: {"count": t.count, "total_ms": t.total_ms, "share_of_wall": t.share_of_wall}

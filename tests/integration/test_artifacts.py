@@ -23,12 +23,12 @@ def test_timeline_comes_back_as_valid_json_with_summary_and_picture(spark, tmp_p
     runner = HorovodRunner(2, launcher="gloo", spark=spark, timeline=True, artifact_dir=tmp_path / "a")
     result = runner.run(jobs.checkpoint_job, epochs=2)
     run = runner.last_run
-    events = json.loads(Path(run["timeline_path"]).read_text())
+    events = json.loads(Path(run.timeline_path).read_text())
     assert any(e.get("name") == "ALLREDUCE" for e in events)
-    summary = json.loads(Path(run["timeline_summary_path"]).read_text())
+    summary = json.loads(Path(run.timeline_summary_path).read_text())
     assert summary["operations"]["ALLREDUCE"]["count"] >= 2
     assert 0 < summary["operations"]["ALLREDUCE"]["share_of_wall"] <= 1
-    svg = Path(run["timeline_picture_path"]).read_text()
+    svg = Path(run.timeline_picture_path).read_text()
     assert svg.startswith("<svg") and "ALLREDUCE" in svg
     # rank 0's timeline is the one that comes back
     assert result["timeline_env"][0].endswith("/artifacts/timeline.json")

@@ -120,7 +120,10 @@ class MetricsRecorder:
 
     def _progress(self) -> None:
         self._logged = self.newest
-        self._log.info("%s", progress_line(self.first, self.newest))
+        try:
+            self._log.info("%s", progress_line(self.first, self.newest))
+        except (ArithmeticError, ValueError) as err:  # nothing a rank reported may stop the try's store
+            self._log.warning("No progress line for step %s: %s", self.newest.step, err)
 
     def _store(self) -> None:
         try:

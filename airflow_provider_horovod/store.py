@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +135,8 @@ def store_try(local_dir: str | Path, folder: Any, marker: TryMarker, *,
             continue  # dot-names are the engine's unfinished transfers; versions went up as committed
         if rel == RUN_MARKER:
             continue  # kept inside the try's marker
+        if rel in (METRICS, RESULT, MARKER):
+            continue  # the store's own files: nothing in the engine's folder replaces them
         _upload(path, folder / rel)
         files.append(rel)
     for rel, data in sorted((extra_files or {}).items()):
@@ -193,10 +197,29 @@ def commit_metrics(folder: Any, local: Path) -> None:
 def read_metrics(folder: Any, *, max_rows: int) -> list[dict[str, Any]]:
     """The try's kept reports, oldest first, thinned evenly to at most ``max_rows`` (``parse_metrics``)."""
     try:
-        with (folder / METRICS).open("r") as lines:
-            return parse_metrics(lines, max_rows=max_rows)
+        with (folder / METRICS).open("rb") as f:
+            return parse_metrics(bounded_lines(f), max_rows=max_rows)
     except Exception:  # noqa: BLE001 - absent (no report yet) or unreadable: nothing to show
         return []
+
+
+MAX_ROW_BYTES = 1 << 16  # a row the recorder writes is a few KiB at most (64 metrics, 100-character names)
+
+
+def bounded_lines(f: Any, limit: int = MAX_ROW_BYTES) -> Iterator[bytes]:
+    """The lines of the binary file ``f``, each read whole only up to ``limit`` bytes: a longer
+    line (not one the recorder wrote) is skipped without being held."""
+    if not isinstance(f, io.BufferedReader):
+        f = io.BufferedReader(f)  # a store's file object (fsspec's) reads a line whole, however long
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit:
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = f.readline(limit)
 
 
 def parse_metrics(lines: Any, *, max_rows: int) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ import stat
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from airflow_provider_horovod import store
+from airflow_provider_horovod.runner import records
 from airflow_provider_horovod.runner import timeline as hvd_timeline
 from airflow_provider_horovod.runner.transfer import OPEN_FILE, open_below
 from airflow_provider_horovod.store import MARKER, TIMELINE
@@ -30,6 +31,7 @@ from airflow_provider_horovod.store import MARKER, TIMELINE
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
 
+MAX_MARKER_BYTES = 16 << 20  # a version's marker lists its files: far below this
 MAX_TIMELINE_BYTES = 64 << 20  # drawn one at a time, its events streamed (N14); larger ones are only downloadable
 
 
@@ -152,13 +154,26 @@ class Try:
         return out
 
     def versions(self) -> list[dict[str, Any]]:
-        """The checkpoint versions committed during this try (a killed try's too), oldest first."""
-        if self.local:
-            try:
-                os.close(self.local.open_dir(store.VERSIONS))
-            except NotFound:
-                return []
-        return store.describe_versions(self.folder)
+        """The checkpoint versions committed during this try (a killed try's too), oldest first; on
+        local disk each marker is read by descriptor, no link followed (a linked version is not one)."""
+        if not self.local:
+            return store.describe_versions(self.folder)
+        try:
+            fd = self.local.open_dir(store.VERSIONS)
+        except NotFound:
+            return []
+        try:
+            names = [n for n in os.listdir(fd) if records.is_version_folder(n)]
+        finally:
+            os.close(fd)
+        found = []
+        for name in names:
+            rel = "%s/%s/%s" % (store.VERSIONS, name, store.VERSION_MARKER)
+            with contextlib.suppress(NotFound, ValueError, TypeError, KeyError):
+                with os.fdopen(self.local.open_file(rel), "rb") as f:
+                    found.append((records.Version.from_json(json.loads(f.read(MAX_MARKER_BYTES))), name))
+        return [{**v.to_json(), "uri": str(self.folder / store.VERSIONS / name)}
+                for v, name in sorted(found, key=lambda item: item[0].seq)]
 
     def file(self, rel: str) -> ObjectStoragePath:
         """The stored file ``rel`` of this try; ``NotFound`` unless the marker lists it and it is safe."""
@@ -184,8 +199,8 @@ class Try:
         if not self.local:
             return store.read_metrics(self.folder, max_rows=max_rows)
         try:
-            with os.fdopen(self.local.open_file(store.METRICS), "rb") as lines:
-                return store.parse_metrics(lines, max_rows=max_rows)
+            with os.fdopen(self.local.open_file(store.METRICS), "rb") as f:
+                return store.parse_metrics(store.bounded_lines(f), max_rows=max_rows)
         except NotFound:
             return []
 

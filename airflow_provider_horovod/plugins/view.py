@@ -17,6 +17,7 @@ that DAG's task instances (else 403). Then :mod:`.store` decides what may be rea
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -38,6 +39,8 @@ from airflow_provider_horovod.runner.messages import Report
 from airflow_provider_horovod.runner.wire import ProtocolError
 from airflow_provider_horovod.runner import timeline as hvd_timeline
 from airflow_provider_horovod.store import CHECKPOINTS, MARKER, TIMELINE, TryMarker
+
+log = logging.getLogger(__name__)
 
 TASK_ROUTE = "/dags/{dag_id}/runs/{run_id}/tasks/{task_id}"
 CHUNK = 1 << 20
@@ -206,8 +209,13 @@ class _Pictures:
                 self._items.move_to_end(key)
                 return self._items[key]
         with self._drawing:  # one drawing at a time: its memory is the most one request may cost
-            parsed = t.timeline()
-            svg = None if parsed is None else hvd_timeline.render_svg(parsed, title=title)
+            try:
+                parsed = t.timeline()
+                svg = None if parsed is None else hvd_timeline.render_svg(parsed, title=title)
+            except Exception as err:  # noqa: BLE001 - rank 0 wrote the file: whatever it holds, the page answers
+                log.warning("The timeline of %s cannot be drawn (%s: %s); remembered as not drawable",
+                            t.folder, type(err).__name__, err)
+                svg = None  # kept below like a picture: a committed folder never changes
         with self._lock:
             self._items[key] = svg
             while len(self._items) > self._size:

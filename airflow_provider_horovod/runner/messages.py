@@ -501,6 +501,7 @@ class OrtedExited:
 # -- rank 0 -> driver: progress and metrics (runtime.report) ----------------------------------------
 MAX_METRICS = 64  # names per report: a report is a handful of numbers, never a tensor's worth
 MAX_NAME_CHARS = 100
+MAX_COUNT = 2**63 - 1  # a step: what MLflow (int64) and every JSON reader take
 
 
 @message("report")
@@ -517,6 +518,8 @@ class Report(Message):
     @classmethod
     def make(cls, time: float, step: Any, total_steps: Any, metrics: Mapping[str, Any]) -> Report:
         """A report from what training code passed; ``TypeError``/``ValueError`` that says what to pass."""
+        if not math.isfinite(float(time)):
+            raise ValueError("a report's time must be a finite number of seconds; got %r" % (time,))
         return cls(time=float(time), step=_count("step", step), total_steps=_count("total_steps", total_steps),
                    metrics=_numbers(metrics))
 
@@ -545,6 +548,8 @@ def _count(name: str, value: Any) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise TypeError("runtime.report(%s=...) takes an int >= 0 or None; got %r" % (name, value))
+    if value > MAX_COUNT:
+        raise ValueError("runtime.report(%s=...) takes an int of at most 2**63 - 1; got a larger one" % name)
     return int(value)
 
 

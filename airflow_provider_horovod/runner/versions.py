@@ -65,7 +65,9 @@ def commit_version(artifact_dir: Path, received: Path, manifest: dict[str, int],
             _link_or_copy(source, target, move=rel in sent)
         version = Version(seq=seq, step=step, time=time.time(), size=sum(manifest.values()),
                           files=tuple(sorted(manifest.items())), sent=tuple(sorted(sent)), metrics=metrics)
-        (building / VERSION_MARKER).write_text(json.dumps(version.to_json(), indent=1))
+        marker = building / (".%s.tmp" % VERSION_MARKER)  # a file of its own: never one a link shares
+        marker.write_text(json.dumps(version.to_json(), indent=1))
+        os.replace(marker, building / VERSION_MARKER)
         os.rename(building, Layout(artifact_dir).version(seq))
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
@@ -152,7 +154,11 @@ class VersionSink:
         for name, size in value.items():
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise ValueError("file %r has no byte count" % (name,))
-            manifest[safe_relative(name).as_posix()] = size
+            rel = safe_relative(name).as_posix()
+            if rel == VERSION_MARKER:
+                raise ValueError("the checkpoint folder holds a file named %s, the name the runner keeps for a "
+                                 "version's marker; rename that file" % VERSION_MARKER)
+            manifest[rel] = size
         if sum(manifest.values()) > self.limits.max_bytes:
             raise ValueError("the version is larger than %d bytes (max_artifact_bytes)" % self.limits.max_bytes)
         return manifest

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import time
@@ -17,6 +18,9 @@ from typing import Any
 from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.runner import records
 from airflow_provider_horovod.runner.timeline import draw_timeline
+
+log = logging.getLogger(__name__)
+HANDED_OVER = (records.CHECKPOINTS, records.TIMELINE)  # what of rank 0's folder comes back
 
 
 def check_writable(path: str | os.PathLike[str]) -> Path:
@@ -38,7 +42,6 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
     return target
 
 
-
 def commit(artifact_dir: Path, staging: Path, *, status: str, complete: bool, run_id: str,
            received: list[dict[str, Any]], np: int | None = None, launcher: str | None = None) -> records.RunMarker:
     """Move what was received into ``artifact_dir`` and write the engine's marker last.
@@ -48,6 +51,11 @@ def commit(artifact_dir: Path, staging: Path, *, status: str, complete: bool, ru
     marker = records.RunMarker(status=status, complete=complete, run_id=run_id, files=tuple(received),
                                committed_at=time.time(), np=np, launcher=launcher)
     if complete:
+        for entry in sorted(staging.iterdir()):
+            if entry.name not in HANDED_OVER:  # rank 0 wrote beside its checkpoint folder: never over the driver's files
+                log.warning("Rank 0's %s is not kept: only %s come back (save files under runtime.checkpoint_dir())",
+                            entry.name, " and ".join(HANDED_OVER))
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         if (staging / records.TIMELINE).exists():
             marker = dataclasses.replace(marker, timeline=draw_timeline(staging))
         if (staging / records.CHECKPOINTS).is_dir() and any((staging / records.CHECKPOINTS).iterdir()):

@@ -1,0 +1,122 @@
+"""Findings T4-6, T4-7, T4-8, T4-10 and T4-13 of issue #40: what rank 0 writes or sends (a report, a
+file in its checkpoint folder or beside it, a timeline) cannot stop the try's final store, replace
+the driver's own files, reach another task's versions through the view, or cost the API server
+more than a bounded amount per request."""
+
+from __future__ import annotations
+
+import json
+import os
+import tracemalloc
+
+import pytest
+
+from airflow_provider_horovod import runtime, store
+from airflow_provider_horovod.metrics import MetricsRecorder
+from airflow_provider_horovod.plugins import store as view_store
+from airflow_provider_horovod.plugins import view
+from airflow_provider_horovod.runner import records
+from airflow_provider_horovod.runner.driver.artifact_dir import commit
+from airflow_provider_horovod.runner.messages import PutVersion, Report
+from airflow_provider_horovod.runner.transfer import Limits
+from airflow_provider_horovod.runner.versions import VersionSink
+from airflow_provider_horovod.runner.wire import ProtocolError
+
+
+# -- T4-6: no report stops the final store -----------------------------------------------------------
+def test_a_step_too_large_for_any_reader_is_refused_at_the_call_and_on_the_channel():
+    with pytest.raises(ValueError, match="at most 2\\*\\*63 - 1"):
+        runtime.report(step=10**399)
+    with pytest.raises(ProtocolError):
+        Report.from_json({"time": 1.0, "step": 10**399, "metrics": {}})
+    with pytest.raises(ProtocolError):
+        Report.from_json({"time": float("nan"), "step": 1, "metrics": {}})  # json.loads reads NaN
+
+
+def test_the_recorder_closes_whatever_reports_reached_it(tmp_path, caplog):
+    """Reports made without the checks (a rank's own frames, an older rank) still end in the final
+    values: close() never raises, so the operator's store that follows always runs."""
+    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=lambda path: None,
+                               log=__import__("logging").getLogger("test"), progress_interval=3600)
+    recorder(Report(time=1.0, step=1, total_steps=2**70, metrics={"loss": 1.0}))
+    recorder(Report(time=2.0, step=10**399, total_steps=2**70, metrics={"loss": 0.5}))
+    assert recorder.close()["loss"] == 0.5
+
+
+# -- T4-7: a version's marker is the runner's, never a user's file --------------------------------------
+def test_a_checkpoint_file_named_like_the_version_marker_is_refused_and_said(tmp_path):
+    sink = VersionSink(tmp_path, keep=5, limits=Limits())
+    staging = sink.fresh_staging()
+    (staging / "model.pt").write_bytes(b"w")
+    (staging / records.VERSION_MARKER).write_text(json.dumps({"seq": 99, "time": 0, "size": 0, "files": []}))
+    why = sink.commit(PutVersion(step=1, metrics={}, manifest={"model.pt": 1, records.VERSION_MARKER: 51}),
+                      ["model.pt", records.VERSION_MARKER])
+    assert "rename that file" in why and records.VERSION_MARKER in why
+    assert records.Layout(tmp_path).committed_versions() == []
+
+
+# -- T4-10: rank 0 cannot replace the driver's files; one huge line costs nothing ---------------------
+def test_files_rank_0_wrote_beside_its_checkpoint_folder_never_replace_the_drivers(tmp_path, caplog):
+    staging = tmp_path / "out" / ".incoming"
+    (staging / "checkpoints").mkdir(parents=True)
+    (staging / "checkpoints" / "model.pt").write_bytes(b"w")
+    (staging / store.METRICS).write_text('{"step": 1, "time": 1.0, "values": {"forged": 1}}\n')
+    (staging / store.RESULT_FILE).write_bytes(b"forged")
+    marker = commit(tmp_path / "out", staging, status="success", complete=True, run_id="r", received=[])
+    assert marker.complete and sorted(os.listdir(tmp_path / "out")) == ["_RUN.json", "checkpoints"]
+    assert "metrics.jsonl is not kept" in caplog.text
+    folder = store.storage_path(str(tmp_path / "try-1"))
+    folder.mkdir()
+    (tmp_path / "try-1" / store.METRICS).write_text('{"step": 1, "time": 1.0, "values": {"loss": 1}}\n')
+    (tmp_path / "out" / store.METRICS).write_text("forged\n")  # even if it were there
+    stored = store.store_try(tmp_path / "out", folder, store.TryMarker(status=store.TryStatus.SUCCESS, complete=False))
+    assert store.METRICS not in stored.stored_files
+    assert store.read_metrics(folder, max_rows=10)[0]["values"] == {"loss": 1}
+
+
+def test_one_huge_metrics_line_is_skipped_without_being_held(tmp_path):
+    row = '{"step": %d, "time": 1.0, "values": {"loss": 1}}\n'
+    padded = '{"step": 2, "time": 1.0, "values": {"loss": 1}, "pad": "%s"}\n' % ("x" * (32 << 20))
+    (tmp_path / store.METRICS).write_text(row % 1 + padded + row % 3)
+    tracemalloc.start()
+    try:
+        rows = store.read_metrics(store.storage_path(str(tmp_path)), max_rows=10)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [r["step"] for r in rows] == [1, 3]
+    assert peak < 4 << 20  # the 32 MiB line was never held
+
+
+# -- T4-8: the view lists a try's own versions only --------------------------------------------------
+def test_the_views_version_listing_follows_no_link(tmp_path):
+    mine = tmp_path / "root" / "d" / "r" / "t" / "try-1"
+    theirs = tmp_path / "root" / "other" / "r" / "t" / "try-1"
+    for folder, seq in ((mine, 1), (theirs, 7)):
+        version = records.Layout(folder).version(seq)
+        version.mkdir(parents=True)
+        (version / "model.pt").write_bytes(b"w")
+        (version / records.VERSION_MARKER).write_text(json.dumps(
+            records.Version(seq=seq, step=seq, time=0.0, size=1, files=(("model.pt", 1),)).to_json()))
+    os.symlink(records.Layout(theirs).version(7), records.Layout(mine).version(2))
+    one_try = view_store.Try(1, store.storage_path(str(mine)), None,
+                             view_store.LocalFolder(str(tmp_path / "root"), ("d", "r", "t", "try-1")))
+    assert [v["seq"] for v in one_try.versions()] == [1]
+
+
+# -- T4-13: a timeline that cannot be drawn is remembered as such -------------------------------------
+def test_a_timeline_that_cannot_be_drawn_answers_and_is_parsed_once(tmp_path, monkeypatch):
+    (tmp_path / store.TIMELINE).write_text(json.dumps([{"name": "ALLREDUCE", "ph": "B", "pid": 1, "ts": 1}]))
+    one_try = view_store.Try(1, store.storage_path(str(tmp_path)), store.TryMarker(
+        status=store.TryStatus.SUCCESS, complete=True, stored_files=(store.TIMELINE,), committed_at=1.0))
+    parsed = []
+
+    def crafted(events):
+        parsed.append(1)
+        raise OverflowError("cannot convert float infinity to integer")
+
+    monkeypatch.setattr(view_store.hvd_timeline, "parse", crafted)
+    pictures = view._Pictures()
+    assert pictures.get(one_try, "t") is None
+    assert pictures.get(one_try, "t") is None
+    assert parsed == [1]

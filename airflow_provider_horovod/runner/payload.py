@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import io
+import linecache
 import sys
 import sysconfig
 import types
@@ -124,15 +126,52 @@ class _Written(str):
         return str(self)
 
 
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, keeping the file name of code pickled by value: cloudpickle writes
+    ``<dynamic-code>`` instead (for payloads that do not depend on where a function was defined),
+    so a rank's traceback would never name the user's own file."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, types.CodeType) and _code_reduce is not None:
+            code_type, fields = _code_reduce(obj)
+            return code_type, tuple(obj.co_filename if f == _DYNAMIC else f for f in fields)
+        return super().reducer_override(obj)
+
+
+_code_reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)  # absent: tracebacks say <dynamic-code>
+_DYNAMIC = "<dynamic-code>"
+MAX_SOURCE_BYTES = 1 << 20
+
+
+def _sources(fn: Callable[..., Any]) -> dict[str, str]:
+    """The source file of a function pickled by value, for the ranks' tracebacks on hosts without it."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is None or _installed(module) or module.__name__.startswith("airflow_provider_horovod"):
+        return {}
+    try:
+        path = inspect.getsourcefile(fn)
+        if path is None or Path(path).stat().st_size > MAX_SOURCE_BYTES:
+            return {}
+        return {path: Path(path).read_text(errors="replace")}
+    except (OSError, TypeError):
+        return {}
+
+
+def _dumps(value: Any) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
+    return out.getvalue()
+
+
 def build_payload(main: Callable[..., Any] | str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> bytes:
-    """Pickle ``main`` with its arguments; raise ``PayloadError`` naming what cannot be pickled, or
-    when the arguments do not fit its signature."""
+    """Pickle ``main`` with its arguments (and its source file, when it is pickled by value); raise
+    ``PayloadError`` naming what cannot be pickled, or when the arguments do not fit its signature."""
     fn = resolve_callable(main)
     kwargs = dict(kwargs or {})
     check_arguments(fn, tuple(args), kwargs)
     _register_by_value(fn)
     try:
-        return cloudpickle.dumps((fn, tuple(args), kwargs))
+        return _dumps((fn, tuple(args), kwargs, _sources(fn)))
     except Exception as err:
         name = getattr(fn, "__qualname__", repr(fn))
         raise PayloadError(
@@ -143,7 +182,12 @@ def build_payload(main: Callable[..., Any] | str, args: tuple[Any, ...] = (), kw
 
 
 def load_payload(data: bytes) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    return cloudpickle.loads(data)
+    """The function and its arguments; the source files that came with them are where this
+    process's tracebacks read their lines (``linecache``), whether or not this host has them."""
+    fn, args, kwargs, sources = cloudpickle.loads(data)
+    for path, text in sources.items():
+        linecache.cache[path] = (len(text), None, text.splitlines(True), path)  # mtime None: never re-read
+    return fn, args, kwargs
 
 
 def describe(main: Callable[..., Any] | str) -> str:

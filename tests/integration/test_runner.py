@@ -105,7 +105,9 @@ def test_rank_failure_surfaces_remote_traceback(spark, launcher):
     assert err.rank == 1
     assert err.host == "hvdhost0"
     assert "ValueError: boom from rank 1" in str(err)
-    assert "failing_job" in err.remote_traceback  # the frame of the user's function
+    assert "failing_job" in err.remote_traceback  # the frame of the user's function, in the user's file and line
+    assert 'File "%s", line' % jobs.__file__ in err.remote_traceback
+    assert 'raise ValueError("boom from rank %d" % hvd.rank())' in err.remote_traceback
 
 
 @pytest.mark.parametrize(("np", "launcher"), [(2, "mpirun"), (-2, "gloo")])

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
 import threading
 
-import cloudpickle
 import pytest
 
 from airflow_provider_horovod.exceptions import PayloadError
@@ -70,7 +72,7 @@ def test_function_from_a_non_installed_module_travels_by_value(tmp_path, monkeyp
 def test_installed_function_travels_by_reference():
     import json
 
-    fn, _, _ = cloudpickle.loads(build_payload(json.dumps, ({"a": 1},)))
+    fn, _, _ = load_payload(build_payload(json.dumps, ({"a": 1},)))
     assert fn is json.dumps
 
 
@@ -84,3 +86,27 @@ def test_arguments_that_do_not_fit_the_signature_fail_before_anything_runs():
     with pytest.raises(PayloadError, match="unexpected keyword argument 'epoch'"):
         build_payload(train, (0.1,), {"epoch": 2})
     assert load_payload(build_payload(train, (0.1,), {"epochs": 2}))[2] == {"epochs": 2}
+
+
+def test_a_rank_traceback_names_the_users_file_and_line_also_on_a_host_without_the_file(tmp_path):
+    """As Airflow imports a DAG file (under a mangled module name), so it is pickled by value; the
+    rank's host here has no such file (it was moved away), and the traceback still shows it."""
+    dag_file = tmp_path / "my_dag.py"
+    dag_file.write_text("def train(x):\n    y = x + 1\n    raise ValueError('boom at %d' % y)\n")
+    spec = importlib.util.spec_from_file_location("unusual_prefix_0123_my_dag", dag_file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        (tmp_path / "payload.pkl").write_bytes(build_payload(module.train, (1,)))
+    finally:
+        del sys.modules[spec.name]
+    dag_file.rename(tmp_path / "elsewhere.py")
+    rank = ("import traceback, sys\nfrom airflow_provider_horovod.runner.payload import load_payload\n"
+            "fn, args, kwargs = load_payload(open(sys.argv[1], 'rb').read())\n"
+            "try:\n    fn(*args, **kwargs)\nexcept ValueError:\n    traceback.print_exc()\n")
+    out = subprocess.run([sys.executable, "-c", rank, str(tmp_path / "payload.pkl")], capture_output=True, text=True,
+                         cwd="/", timeout=60).stderr
+    assert 'File "%s", line 3, in train' % dag_file in out
+    assert "raise ValueError('boom at %d' % y)" in out and "dynamic-code" not in out
+

@@ -62,7 +62,8 @@ def get_provider_info() -> dict[str, Any]:
                             "Where HorovodRunnerOperator stores timelines, checkpoints and large results, "
                             "as <artifact_root>/<dag_id>/<run_id>/<task_id>/try-<n>/. Any fsspec URL that "
                             "Airflow's ObjectStoragePath understands (file://, s3://conn_id@bucket/path, ...). "
-                            "Empty means a folder named horovod-artifacts under AIRFLOW_HOME."
+                            "Empty means a folder named horovod-artifacts under AIRFLOW_HOME; a relative "
+                            "local path is taken under AIRFLOW_HOME."
                         ),
                         "version_added": "0.1.0",
                         "type": "string",

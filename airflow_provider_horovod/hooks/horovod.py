@@ -318,29 +318,46 @@ class HorovodRunnerHook(BaseHook):
 
     # -- artifacts -------------------------------------------------------------------------------
     @staticmethod
-    def default_artifact_root() -> str:
+    def _airflow_home() -> str:
+        from airflow.sdk import conf
+
+        home = conf.get("core", "airflow_home", fallback=None) or os.environ.get("AIRFLOW_HOME") or "~/airflow"
+        return os.path.expanduser(home)
+
+    @classmethod
+    def artifact_root(cls, value: str | None = None) -> str:
+        """``value`` (the operator's ``artifact_root``), else ``[horovod] artifact_root``, else
+        ``$AIRFLOW_HOME/horovod-artifacts``; a relative local path is taken under ``$AIRFLOW_HOME``,
+        where the worker and the Horovod view both look, never under a process's current folder."""
+        return cls._absolute(str(value or "").strip() or cls.default_artifact_root())
+
+    @classmethod
+    def default_artifact_root(cls) -> str:
         """``[horovod] artifact_root``, else ``$AIRFLOW_HOME/horovod-artifacts``."""
         from airflow.sdk import conf
 
-        root = conf.get("horovod", "artifact_root", fallback="") or ""
-        if root.strip():
-            return root.strip()
-        home = conf.get("core", "airflow_home", fallback=None) or os.environ.get("AIRFLOW_HOME") or "~/airflow"
-        return os.path.join(os.path.expanduser(home), "horovod-artifacts")
+        root = (conf.get("horovod", "artifact_root", fallback="") or "").strip()
+        return cls._absolute(root or "horovod-artifacts")
+
+    @classmethod
+    def _absolute(cls, root: str) -> str:
+        if "://" in root or os.path.isabs(os.path.expanduser(root)):
+            return root
+        return os.path.join(cls._airflow_home(), root)
 
     @classmethod
     def resume_roots(cls, artifact_root: str | None) -> list[str]:
         """Where a ``resume`` URI may point: the task's artifact root (or the default) and
         ``[horovod] resume_extra_roots`` (comma-separated)."""
-        return [artifact_root or cls.default_artifact_root(), *cls.configured_roots("resume_extra_roots")]
+        return [cls.artifact_root(artifact_root), *cls.configured_roots("resume_extra_roots")]
 
-    @staticmethod
-    def configured_roots(option: str) -> list[str]:
+    @classmethod
+    def configured_roots(cls, option: str) -> list[str]:
         """The roots a ``[horovod]`` option lists, comma-separated (``resume_extra_roots``, ``view_extra_roots``)."""
         from airflow.sdk import conf
 
         value = conf.get("horovod", option, fallback="") or ""
-        return [root.strip() for root in value.split(",") if root.strip()]
+        return [cls._absolute(root.strip()) for root in value.split(",") if root.strip()]
 
     def download(self, source: ObjectStoragePath | str, prefix: str = "hvd-resume-") -> str:
         """Copy a stored checkpoint folder (or file) to a new local temporary folder; return its path.

@@ -209,7 +209,7 @@ class HorovodRunnerOperator(BaseOperator):
         ti = context["ti"]
         map_index = getattr(ti, "map_index", -1)
         folder = store.prepare_try(
-            self.artifact_root or self.hook.default_artifact_root(), dag_id=ti.dag_id, run_id=ti.run_id,
+            self.hook.artifact_root(self.artifact_root), dag_id=ti.dag_id, run_id=ti.run_id,
             task_id=ti.task_id, try_number=ti.try_number, map_index=map_index if isinstance(map_index, int) else -1,
         )
         self.log.info("Artifacts of this try go to %s", folder)

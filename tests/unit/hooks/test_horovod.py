@@ -151,6 +151,17 @@ def test_artifact_root_from_provider_config(monkeypatch, tmp_path):
     assert HorovodRunnerHook.default_artifact_root() == "file://%s/store" % tmp_path
 
 
+def test_a_relative_artifact_root_lies_under_airflow_home_not_the_workers_current_folder(airflow_home, monkeypatch):
+    """The view (in the API server) and the worker agree only on $AIRFLOW_HOME, never on a current folder."""
+    monkeypatch.setenv("AIRFLOW__HOROVOD__ARTIFACT_ROOT", "team/artifacts")
+    monkeypatch.setenv("AIRFLOW__HOROVOD__VIEW_EXTRA_ROOTS", "old, s3://bucket/x")
+    monkeypatch.chdir("/")
+    assert HorovodRunnerHook.default_artifact_root() == str(airflow_home / "team" / "artifacts")
+    assert HorovodRunnerHook.artifact_root("mine") == str(airflow_home / "mine")
+    assert HorovodRunnerHook.artifact_root(None) == str(airflow_home / "team" / "artifacts")
+    assert HorovodRunnerHook.configured_roots("view_extra_roots") == [str(airflow_home / "old"), "s3://bucket/x"]
+
+
 def test_the_jvms_output_is_logged_at_its_log4j_level_not_as_errors(tmp_path):
     """The Spark JVM writes log4j lines to stderr; the task log must show a WARN as a warning."""
     import logging

@@ -23,6 +23,7 @@ Horovod's own driver does the same with its request classes (``horovod.runner.co
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import typing
@@ -165,6 +166,10 @@ class Finished(Message):
 
 
 # -- rank (or task) -> driver ---------------------------------------------------------------------
+LOGS_FRAME_BYTES = 512 * 1024  # the most JSON one logs frame of a rank carries (the driver's limit is twice that)
+LOG_LINE_CHARS = 32 * 1024  # a longer line of output travels as several (at most 12 bytes of JSON a character)
+
+
 @message("logs")
 @dataclasses.dataclass(frozen=True)
 class Logs(Message):
@@ -175,6 +180,25 @@ class Logs(Message):
     lines: list[str]
     callback: bool = False
     quiet: bool = False
+
+    @classmethod
+    def batches(cls, rank: int, lines: list[str], *, callback: bool = False, quiet: bool = False) -> list[Logs]:
+        """``lines`` as frames of at most ``LOGS_FRAME_BYTES`` of JSON each (the driver hangs up on a
+        rank's larger frame): a line longer than ``LOG_LINE_CHARS`` travels as several."""
+        out: list[Logs] = []
+        batch: list[str] = []
+        size = 0
+        for line in lines:
+            for piece in [line[i:i + LOG_LINE_CHARS] for i in range(0, len(line), LOG_LINE_CHARS)] or [line]:
+                cost = len(json.dumps(piece)) + 2
+                if batch and size + cost > LOGS_FRAME_BYTES:
+                    out.append(cls(rank, batch, callback=callback, quiet=quiet))
+                    batch, size = [], 0
+                batch.append(piece)
+                size += cost
+        if batch:
+            out.append(cls(rank, batch, callback=callback, quiet=quiet))
+        return out
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Logs:

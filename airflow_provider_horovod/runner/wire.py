@@ -183,6 +183,15 @@ def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | No
         pos += got
 
 
+_TYPE_PREFIX = re.compile(rb'\{"t": "([a-z-]{1,32})"')  # how json.dumps starts a message (``t`` first)
+
+
+def frame_type(body: bytes | bytearray) -> str | None:
+    """The type of the message in ``body`` (its ``t``) read from its first bytes, without parsing the rest."""
+    found = _TYPE_PREFIX.match(body)
+    return found.group(1).decode() if found else None
+
+
 class FramedConnection:
     """One side of an authenticated connection; ``send``/``recv`` move JSON objects or raw frames."""
 
@@ -243,9 +252,15 @@ class FramedConnection:
             if self.sock.sendfile(file, offset, size) != size:
                 raise OSError("%s shrank while it was sent" % getattr(file, "name", "a file"))
 
+    def limit_frames(self, most: int) -> None:
+        """From now on a frame longer than ``most`` is a ``FrameTooLarge`` at its header, before its body is read."""
+        self._max_frame = min(most, MAX_FRAME)
+
     def _recv_header(self) -> tuple[int, bytearray]:
         (length,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size, self._deadline))
         if length > self._max_frame:
+            if self._deadline is None and self._max_frame < MAX_FRAME:  # an authenticated peer past its role's limit
+                raise FrameTooLarge(length, self._max_frame)
             raise AuthenticationError("frame of %d bytes is larger than allowed here (%d)" % (length, self._max_frame))
         return length, _recv_exact(self.sock, MAC_BYTES, self._deadline)
 
@@ -282,9 +297,18 @@ class FramedConnection:
     def send(self, obj: dict[str, Any]) -> None:
         self.send_bytes(json.dumps(obj).encode())
 
-    def recv(self) -> dict[str, Any]:
-        """The next message: always a JSON object (anything else is a ``ProtocolError``)."""
+    def recv(self, sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """The next message: always a JSON object (anything else is a ``ProtocolError``). With
+        ``sizes`` (the most bytes of each message type this peer may send), a frame whose type, read
+        from its first bytes (``frame_type``), is not in ``sizes`` or that is longer than its type's
+        limit is a ``ProtocolError`` before it is parsed."""
         body = self.recv_bytes()
+        if sizes is not None:
+            kind = frame_type(body)
+            if kind not in sizes:
+                raise ProtocolError("a frame of type %r, which this peer may not send" % (kind,))
+            if len(body) > sizes[kind]:
+                raise FrameTooLarge(len(body), sizes[kind])
         try:
             msg = json.loads(body)
         except ValueError as err:

@@ -70,13 +70,18 @@ def _logging_takes_rank_lines() -> bool:
     return False
 
 
-# What each role may say: a rank process only reports its output, its progress and its failure.
-_RANK_SAYS = (messages.Logs, messages.Error, messages.Event, messages.Report)
-_ALLOWED = {
-    wire.ROLE_RANK: {m.TYPE for m in _RANK_SAYS},
-    wire.ROLE_TASK: {m.TYPE for m in (*_RANK_SAYS, messages.Hello, messages.Facts, messages.Ready, messages.Finished,
-                                      messages.PutArtifacts, messages.FetchResume, messages.PutVersion)},
-}
+# What each role may say, and the most bytes of JSON each message may take: a frame's type and size
+# are checked before it is parsed (``wire.FramedConnection.recv``), and no rank frame is read past
+# the largest of its role's (docs/security.md, "What a rank can cost the driver").
+KiB, MiB = 1024, 1024 * 1024
+_RANK_SAYS = {messages.Logs: 2 * messages.LOGS_FRAME_BYTES, messages.Error: 4 * MiB, messages.Report: 128 * KiB}
+_TASK_SAYS = {messages.Logs: 16 * MiB, messages.Error: 16 * MiB, messages.Report: 128 * KiB, messages.Event: 4 * KiB,
+              messages.Hello: 4 * KiB, messages.Facts: MiB, messages.Ready: 4 * KiB, messages.Finished: wire.MAX_FRAME,
+              messages.PutArtifacts: 4 * KiB, messages.FetchResume: 4 * KiB, messages.PutVersion: wire.MAX_FRAME}
+_ALLOWED = {wire.ROLE_RANK: {m.TYPE: most for m, most in _RANK_SAYS.items()},
+            wire.ROLE_TASK: {m.TYPE: most for m, most in _TASK_SAYS.items()}}
+MAX_EVENTS = 1024  # events recorded from the tasks per attempt (one orted-launched per task); more are dropped
+MAX_CONNECTIONS_PER_RANK = 2  # a rank process opens one; more from its key are hung up on
 NO_ARTIFACTS = "this run collects no artifacts"
 MAX_PENDING = 64  # connections in their handshake at once
 CLOSE_WAIT_S = 3.0  # how long close() waits for a transfer to put down the chunk in hand (within the cancel's 10 s)
@@ -103,6 +108,8 @@ class Channel:
         ``on_report``: called with each of rank 0's reports (``runtime.report``), from its connection's thread."""
         self._versions = versions
         self._on_report = on_report
+        self._rank_conns: collections.Counter[str] = collections.Counter()
+        self._events_sent = 0  # events the tasks sent (at most MAX_EVENTS are recorded)
         self._keys = wire.server_keys(secret, wire.ROLE_TASK, ranks=True)
         self._run_id = run_id
         self._limits = limits
@@ -204,10 +211,21 @@ class Channel:
         with self._lock:
             self._recorded.append(event)
 
+    def _record_sent(self, event: messages.Event) -> None:
+        """An event a task sent: at most ``MAX_EVENTS`` of them are kept; one warning says more came."""
+        with self._lock:
+            self._events_sent += 1
+            if self._events_sent <= MAX_EVENTS:
+                self._recorded.append(event.recorded())
+                return
+        if self._events_sent == MAX_EVENTS + 1:
+            log.warning("The barrier tasks sent more than %d events; the run's report keeps the first %d",
+                        MAX_EVENTS, MAX_EVENTS)
+
     def lines(self, rank: int, lines: list[str], *, callback: bool = False, quiet: bool = False) -> None:
         """A rank's lines: kept for its failure report; shown unless ``quiet`` (log_callback_only)."""
-        with self._lock:
-            self._tails[rank].extend(lines)
+        with self._lock:  # kept lines are cut where a rank's own lines are (messages.LOG_LINE_CHARS): a bounded tail
+            self._tails[rank].extend(line[:messages.LOG_LINE_CHARS] for line in lines)
         if not quiet:
             self._output(rank, lines, callback=callback)
 
@@ -222,13 +240,14 @@ class Channel:
         partition: int | None = None
         allowed = _ALLOWED[wire.role_family(conn.role)]
         rank = wire.rank_of(conn.role)
+        conn.limit_frames(max(allowed.values()))
         try:
+            if rank is not None:
+                self._count_rank_connection(conn.role)
             while True:
-                raw = conn.recv()
+                raw = conn.recv(allowed)
                 if rank is not None:
                     raw["rank"] = rank  # a rank speaks only for itself, whatever its frames say
-                if raw.get("t") not in allowed:
-                    raise wire.ProtocolError("a %s may not send %r" % (conn.role, raw.get("t")))
                 msg = messages.decode(raw)
                 if isinstance(msg, messages.Hello):
                     partition = msg.partition
@@ -250,12 +269,21 @@ class Channel:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                if rank is not None:
+                    self._rank_conns[conn.role] -= 1
                 lost = partition is not None and self._tasks.get(partition) is conn and partition not in self._finished
                 if partition is not None and self._tasks.get(partition) is conn:
                     del self._tasks[partition]
             conn.close()
             if lost:
                 self._emit(events.TaskLost(partition))
+
+    def _count_rank_connection(self, role: str) -> None:
+        """One more connection of ``role`` (a rank's); more than ``MAX_CONNECTIONS_PER_RANK`` at once is a ``ProtocolError``."""
+        with self._lock:
+            self._rank_conns[role] += 1
+            if self._rank_conns[role] > MAX_CONNECTIONS_PER_RANK:
+                raise wire.ProtocolError("%s holds more than %d connections at once" % (role, MAX_CONNECTIONS_PER_RANK))
 
     def _handle(self, msg: messages.Message) -> None:
         if isinstance(msg, messages.Logs):
@@ -274,7 +302,7 @@ class Channel:
         elif isinstance(msg, messages.Error):
             self._emit(events.RankFailed(msg.failure))
         elif isinstance(msg, messages.Event):
-            self.record(msg.recorded())
+            self._record_sent(msg)
         elif isinstance(msg, Report):
             self._report(msg)
 

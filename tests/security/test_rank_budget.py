@@ -1,6 +1,8 @@
 """What a rank process can cost the driver: its frames are typed and sized before they are parsed
 (the length at the header, the type from the frame's first bytes), it records no events and a
-task only a bounded number, and it holds at most two connections. Finding T4-4 of issue 40, with a rank's own key, as a hostile training function would have it."""
+task only a bounded number, it holds at most two connections, and its reports reach the driver's
+recorder at most twice a second however it sends them. Findings T4-3 (the channel's half) and T4-4
+of issue 40, with a rank's own key, as a hostile training function would have it."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import time
 import pytest
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.driver.channel import MAX_EVENTS, Channel
+from airflow_provider_horovod.runner.driver.channel import MAX_EVENTS, REPORT_INTERVAL_S, Channel
 from airflow_provider_horovod.runner.messages import Event, Report
-from tests.security.attacker import RANK, SECRET, TASK, hung_up
+from tests.security.attacker import RANK, SECRET, TASK, hung_up, settle
 
 
 @pytest.fixture
@@ -67,3 +69,24 @@ def test_a_rank_holds_at_most_two_connections(channel):
     third = wire.connect(channel.address, RANK)
     assert hung_up(third.sock, timeout=3)
     assert not any(hung_up(conn.sock, timeout=0.2) for conn in kept)
+
+
+def test_reports_sent_past_the_ranks_own_coalescing_reach_the_driver_at_most_once_an_interval(channel):
+    conn = wire.connect(channel.address, RANK)
+    began = time.monotonic()
+    for step in range(500):  # a rank that writes report frames itself, not through runtime.report
+        conn.send(Report(time=float(step), step=step).to_json())
+    assert settle(lambda: channel.reports and channel.reports[-1].step == 499)
+    took = time.monotonic() - began
+    allowed = 1 + int(took / REPORT_INTERVAL_S) + 1
+    assert len(channel.reports) <= allowed, "%d reports in %.1f s" % (len(channel.reports), took)  # the review: all
+
+
+def test_the_newest_report_waiting_its_turn_is_delivered_when_the_channel_closes(channel):
+    conn = wire.connect(channel.address, RANK)
+    for step in range(6):
+        conn.send(Report(time=float(step), step=step).to_json())
+    assert settle(lambda: channel.reports)
+    time.sleep(0.2)  # the other five are read well within the interval (0.5 s)
+    channel.close()
+    assert channel.reports[-1].step == 5 and len(channel.reports) <= 2

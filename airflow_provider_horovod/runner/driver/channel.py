@@ -82,10 +82,67 @@ _ALLOWED = {wire.ROLE_RANK: {m.TYPE: most for m, most in _RANK_SAYS.items()},
             wire.ROLE_TASK: {m.TYPE: most for m, most in _TASK_SAYS.items()}}
 MAX_EVENTS = 1024  # events recorded from the tasks per attempt (one orted-launched per task); more are dropped
 MAX_CONNECTIONS_PER_RANK = 2  # a rank process opens one; more from its key are hung up on
+REPORT_INTERVAL_S = 0.5  # the most often one of rank 0's reports reaches on_report (the newest waits its turn)
 NO_ARTIFACTS = "this run collects no artifacts"
 MAX_PENDING = 64  # connections in their handshake at once
 CLOSE_WAIT_S = 3.0  # how long close() waits for a transfer to put down the chunk in hand (within the cancel's 10 s)
 MAX_PENDING_PER_SOURCE = 16  # of those, from one address: a host's tasks and ranks, never all of them
+
+
+class ReportGate:
+    """Rank 0's reports, at most one per ``interval`` on to ``deliver``, from a thread of the driver's
+    own: a report that comes sooner waits, replaced by any newer one, so however often a rank sends,
+    the driver records at most one report an interval, and the newest is never lost (``close``
+    delivers it). The rank's own coalescing (``rank/reports.py``) is a courtesy, not the limit."""
+
+    def __init__(self, deliver: Callable[[Report], None], interval: float = REPORT_INTERVAL_S) -> None:
+        self._deliver = deliver
+        self._interval = interval
+        self._cond = threading.Condition()
+        self._pending: Report | None = None
+        self._next = float("-inf")
+        self._closed = False
+        self.coalesced = 0  # reports replaced by a newer one before their turn
+        self._thread: threading.Thread | None = None
+
+    def offer(self, report: Report) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            if self._pending is not None:
+                self.coalesced += 1
+            self._pending = report
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="hvdrunner-reports", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                wait = self._next - time.monotonic()
+                if wait > 0 and not self._closed:
+                    self._cond.wait(wait)
+                    continue
+                report, self._pending = self._pending, None
+                self._next = time.monotonic() + self._interval
+            try:
+                self._deliver(report)
+            except Exception as err:  # noqa: BLE001 - what is done with a report never breaks the run
+                log.warning("Could not record rank 0's report of step %s: %s", report.step, err)
+
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Deliver the report that waits (the last one), then take no more."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
 
 class Channel:
@@ -105,9 +162,10 @@ class Channel:
         on_report: Callable[[Report], None] | None = None,
     ) -> None:
         """``versions``: where rank 0's checkpoint versions are committed (``versions.VersionSink``);
-        ``on_report``: called with each of rank 0's reports (``runtime.report``), from its connection's thread."""
+        ``on_report``: called with rank 0's reports (``runtime.report``), at most one every
+        ``REPORT_INTERVAL_S`` (the newest), from a thread of the channel's own."""
         self._versions = versions
-        self._on_report = on_report
+        self._reports = ReportGate(on_report) if on_report is not None else None
         self._rank_conns: collections.Counter[str] = collections.Counter()
         self._events_sent = 0  # events the tasks sent (at most MAX_EVENTS are recorded)
         self._keys = wire.server_keys(secret, wire.ROLE_TASK, ranks=True)
@@ -174,7 +232,10 @@ class Channel:
             self._artifacts_task_dir = str(task_dir)
 
     def close(self) -> None:
-        """Stop listening and hang up on every client; tasks still running take that as cancel."""
+        """Stop listening and hang up on every client; tasks still running take that as cancel. The
+        report that waits its turn is delivered first."""
+        if self._reports is not None:
+            self._reports.close()
         self._closed.set()
         if self._proofs is not None:
             shutil.rmtree(self._proofs, ignore_errors=True)
@@ -279,7 +340,8 @@ class Channel:
                 self._emit(events.TaskLost(partition))
 
     def _count_rank_connection(self, role: str) -> None:
-        """One more connection of ``role`` (a rank's); more than ``MAX_CONNECTIONS_PER_RANK`` at once is a ``ProtocolError``."""
+        """One more connection of ``role`` (a rank's); more than ``MAX_CONNECTIONS_PER_RANK`` at once
+        is a ``ProtocolError``."""
         with self._lock:
             self._rank_conns[role] += 1
             if self._rank_conns[role] > MAX_CONNECTIONS_PER_RANK:
@@ -307,13 +369,10 @@ class Channel:
             self._report(msg)
 
     def _report(self, report: Report) -> None:
-        """Rank 0's report goes on; the rank's own ``runtime.report`` sends no other rank's."""
-        if report.rank != 0 or self._on_report is None or self._closed.is_set():
-            return
-        try:
-            self._on_report(report)
-        except Exception as err:  # noqa: BLE001 - what is done with a report never breaks the run
-            log.warning("Could not record rank 0's report of step %s: %s", report.step, err)
+        """Rank 0's report goes on, at most one an interval (``ReportGate``); the rank's own
+        ``runtime.report`` sends no other rank's."""
+        if report.rank == 0 and self._reports is not None and not self._closed.is_set():
+            self._reports.offer(report)
 
     def _serve_transfer(self, conn: wire.ServerConnection, msg: messages.Message) -> None:
         with self._lock:

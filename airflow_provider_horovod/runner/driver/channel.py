@@ -84,9 +84,13 @@ MAX_EVENTS = 1024  # events recorded from the tasks per attempt (one orted-launc
 MAX_CONNECTIONS_PER_RANK = 2  # a rank process opens one; more from its key are hung up on
 REPORT_INTERVAL_S = 0.5  # the most often one of rank 0's reports reaches on_report (the newest waits its turn)
 NO_ARTIFACTS = "this run collects no artifacts"
-MAX_PENDING = 64  # connections in their handshake at once
+MAX_UNPROVEN = 256  # connections held until their knock comes (wire.Server): the oldest goes for a new one
 CLOSE_WAIT_S = 3.0  # how long close() waits for a transfer to put down the chunk in hand (within the cancel's 10 s)
-MAX_PENDING_PER_SOURCE = 16  # of those, from one address: a host's tasks and ranks, never all of them
+
+
+def _pending_per_role(role: str) -> int | None:
+    """A rank (one process) has at most ``MAX_CONNECTIONS_PER_RANK`` connections in its handshake; tasks, any number."""
+    return MAX_CONNECTIONS_PER_RANK if wire.rank_of(role) is not None else None
 
 
 class ReportGate:
@@ -207,8 +211,8 @@ class Channel:
             log.info("Not listening for the barrier tasks on %s (%s); Spark's allGather coordinates them", host, err)
             return None
         self.address = (host, self._listener.getsockname()[1])
-        wire.serve(self._listener, self._keys, self._serve, "hvdrunner-channel", max_pending=MAX_PENDING,
-                   max_pending_per_source=MAX_PENDING_PER_SOURCE, on_reject=self._rejected)
+        wire.serve(self._listener, self._keys, self._serve, "hvdrunner-channel", max_unproven=MAX_UNPROVEN,
+                   pending_per_role=_pending_per_role, on_reject=self._rejected)
         return self.address
 
     def _rejected(self, err: BaseException) -> None:

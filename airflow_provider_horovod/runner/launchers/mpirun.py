@@ -192,7 +192,7 @@ class ExecService:
         self.refused = 0
         self._refusals = wire.RefusalLog(lambda text: self._note("refused a connection: %s" % text))
         wire.serve(self._listener, self._keys, self._serve, "hvdrunner-exec-service", max_connections=8,
-                   max_pending=8, max_pending_per_source=2, on_reject=self._rejected)
+                   max_unproven=64, on_reject=self._rejected)
 
     def expect(self, plan: Plan, partition: int) -> None:
         """The plan is known: serve the one launch of this task's host, or close if there is none.

@@ -32,6 +32,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from airflow_provider_horovod.runner.events import Failure
+from airflow_provider_horovod.runner.text import one_line
 from airflow_provider_horovod.runner.wire import ProtocolError
 
 if TYPE_CHECKING:  # a rank's runtime.log_to_driver sends Logs without importing Horovod (plan.py does)
@@ -582,9 +583,9 @@ def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
         raise ValueError("runtime.report takes at most %d metrics; got %d" % (MAX_METRICS, len(metrics)))
     out = {}
     for key, value in metrics.items():
-        if not isinstance(key, str) or not key or len(key) > MAX_NAME_CHARS:
-            raise ValueError("a metric's name must be a non-empty str of at most %d characters; got %r"
-                             % (MAX_NAME_CHARS, key))
+        if not isinstance(key, str) or not key or len(key) > MAX_NAME_CHARS or one_line(key) != key:
+            raise ValueError("a metric's name must be a non-empty str of at most %d characters without control "
+                             "characters (newline, escape...); got %r" % (MAX_NAME_CHARS, key))
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError("runtime.report(%s=...) takes a number (int or float; call .item() on a tensor); got a %s"
                             % (key, type(value).__qualname__))

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -25,6 +26,9 @@ import tempfile
 from pathlib import Path
 
 HOROVOD_VERSION = "0.28.1"
+# The sdist's SHA-256 (horovod-0.28.1.tar.gz as the registry serves it): pip refuses anything else
+# (--require-hashes, its cache included), and the file is checked again before it is unpacked.
+SDIST_SHA256 = "92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
 TENSORFLOW = "tensorflow"
 FRAMEWORKS = ("torch", TENSORFLOW)
 FRAMEWORK_NAMES = {"torch": "PyTorch", TENSORFLOW: "TensorFlow"}
@@ -175,20 +179,80 @@ def build_wheel(frameworks: tuple[str, ...], wheelhouse: Path, log: Path) -> Pat
         raise HorovodBuildError("Cannot build Horovod %s; missing:\n  - %s" % (HOROVOD_VERSION, "\n  - ".join(missing)))
     with tempfile.TemporaryDirectory(prefix="horovod-build-") as scratch:
         work = Path(scratch)
-        run_pip("download the Horovod %s sdist" % HOROVOD_VERSION,
-                "download", "--no-deps", "--no-binary", ":all:", "-d", str(work), "horovod==%s" % HOROVOD_VERSION)
-        with tarfile.open(work / ("horovod-%s.tar.gz" % HOROVOD_VERSION)) as sdist:
+        with tarfile.open(download_sdist(work)) as sdist:
             sdist.extractall(work, filter="data")
         src = work / ("horovod-%s" % HOROVOD_VERSION)
         apply_patches(src, patches_for(frameworks))
-        with log.open("w") as out:
+        with open_log(log) as out:
             built = subprocess.run(pip("wheel", "--no-build-isolation", "--no-deps", "-w", str(work / "out"), str(src)),
                                    env=build_env(frameworks), stdout=out, stderr=subprocess.STDOUT)
         if built.returncode != 0:
             raise HorovodBuildError("Horovod build failed; the relevant lines of %s:\n%s" % (log, build_errors(log)))
         wheel = next((work / "out").glob("horovod-*.whl"))
-        wheelhouse.mkdir(parents=True, exist_ok=True)
-        return Path(shutil.move(str(wheel), wheelhouse / wheel.name))
+        wheelhouse.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cached = Path(shutil.move(str(wheel), wheelhouse / wheel.name))
+        record_digest(cached)
+        return cached
+
+
+def download_sdist(work: Path) -> Path:
+    """The Horovod sdist in ``work``, fetched by pip with its hash pinned (``SDIST_SHA256``) and checked again."""
+    requirement = work / "horovod.txt"
+    requirement.write_text("horovod==%s --hash=sha256:%s\n" % (HOROVOD_VERSION, SDIST_SHA256))
+    run_pip("download the Horovod %s sdist with SHA-256 %s" % (HOROVOD_VERSION, SDIST_SHA256), "download",
+            "--no-deps", "--no-binary", ":all:", "--require-hashes", "-d", str(work), "-r", str(requirement))
+    sdist = work / ("horovod-%s.tar.gz" % HOROVOD_VERSION)
+    found = file_digest(sdist)
+    if found != SDIST_SHA256:
+        raise HorovodBuildError("The Horovod %s sdist has SHA-256 %s, not %s: it is not the released file. Check "
+                                "your package index." % (HOROVOD_VERSION, found, SDIST_SHA256))
+    return sdist
+
+
+def open_log(log: Path):
+    """The build log, new or emptied, never through a link (another user's link would redirect our writes)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "w")
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def record_digest(wheel: Path) -> None:
+    """Write the wheel's SHA-256 beside it (``<wheel>.sha256``, 0600): a cache hit is checked against it."""
+    fd = os.open(str(wheel) + ".sha256", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(file_digest(wheel) + "\n")
+
+
+def _untrusted(path: Path, kind: str) -> str | None:
+    """Why ``path`` (a ``kind``: file or folder) of the cache is not to be trusted, or None."""
+    info = os.lstat(path)
+    if kind == "folder" and not stat.S_ISDIR(info.st_mode) or kind == "file" and not stat.S_ISREG(info.st_mode):
+        return "%s is not a plain %s (a link?)" % (path, kind)
+    if info.st_uid != os.geteuid():
+        return "%s is owned by uid %d, not by this user (uid %d)" % (path, info.st_uid, os.geteuid())
+    if info.st_mode & 0o022:
+        return "%s may be written by other users (mode %o)" % (path, stat.S_IMODE(info.st_mode))
+    return None
+
+
+def check_cached_wheel(wheel: Path) -> None:
+    """A cached wheel is installed only if it, its folder and its digest file are this user's and
+    no one else may write them, and its bytes are the ones built (``record_digest``). A wheel
+    cached before digests were recorded gets its digest recorded now (its owner and mode checked)."""
+    digest = Path(str(wheel) + ".sha256")
+    why = _untrusted(wheel.parent, "folder") or _untrusted(wheel, "file")
+    if why is None and not os.path.lexists(digest):
+        record_digest(wheel)
+    why = why or _untrusted(digest, "file")
+    if why is None and digest.read_text().strip() != file_digest(wheel):
+        why = "%s differs from the wheel that was built (its SHA-256 changed)" % wheel
+    if why is not None:
+        raise HorovodBuildError("Not installing the cached Horovod wheel: %s. Remove %s and run `airflow-horovod "
+                                "build` again to rebuild it." % (why, wheel.parent))
 
 
 def build_errors(log: Path, limit: int = 40) -> str:
@@ -261,7 +325,9 @@ def build(frameworks: tuple[str, ...]) -> Path:
     key = cache_key(frameworks, versions)
     wheelhouse = cache_root() / "wheels" / key
     wheel = cached_wheel(wheelhouse)
-    if wheel is None:
+    if wheel is not None:
+        check_cached_wheel(wheel)
+    else:
         log = wheelhouse.parent / (key + ".log")
         log.parent.mkdir(parents=True, exist_ok=True)  # a new machine has no cache yet
         print("Building Horovod %s as %s (5-10 minutes); log: %s" % (HOROVOD_VERSION, key, log), flush=True)

@@ -75,7 +75,8 @@ def log_to_driver(message: object) -> None:
 
     text = str(message)
     if _client is not None and _client.connected:
-        _client.send(Logs(rank(), text.splitlines() or [""], callback=True))
+        for batch in Logs.batches(rank(), text.splitlines() or [""], callback=True):
+            _client.send(batch)
     else:
         print(text, flush=True)
 

@@ -8,19 +8,22 @@ The connection (``mlflow_conn_id``, any connection type, ``http`` is the natural
 * extras: ``token`` (a bearer token, ``MLFLOW_TRACKING_TOKEN``), ``experiment`` (the experiment's
   name; else the DAG id), ``insecure_tls`` (``true``: do not verify the server's certificate).
 
-The credentials reach MLflow's client through its own environment variables in the task process
-only; their names hold PASSWORD / TOKEN, so no rank gets them (``names.is_secret_env``). An MLflow
+The credentials reach MLflow's client through its own environment variables, which it reads on each
+request: they are in the task's ``os.environ`` only while one of our calls to MLflow runs
+(``_mlflow_environment``), and no rank, mpirun or orted ever gets an ``MLFLOW_*`` variable (the
+allow-list, ``names.passes_to_ranks``). An MLflow
 server that cannot be reached, or that fails midway, is a warning in the task log, never a failed try.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from airflow.sdk import BaseHook
@@ -77,24 +80,46 @@ class MlflowTrackingHook(BaseHook):
             log.warning("mlflow_conn_id=%r is set but MLflow's client is not installed: pip install "
                         "'airflow-provider-horovod[mlflow]'. Training goes on without MLflow.", self.mlflow_conn_id)
             return None
+        env: dict[str, str] = {}
         try:
             uri, named, env = self.settings()
-            for name in CREDENTIAL_ENV:
-                os.environ.pop(name, None)  # an earlier connection's, in a process that runs several tasks
-            os.environ.update(env)
-            client = MlflowClient(tracking_uri=uri)
-            name = named or experiment
-            found = client.get_experiment_by_name(name)
-            experiment_id = found.experiment_id if found is not None else client.create_experiment(name)
-            run = client.create_run(experiment_id, tags=dict(tags), run_name="%s try %s" % (tags.get("task_id"), tags.get("try")))
-            client.log_batch(run.info.run_id, params=_params(params))
+            with _mlflow_environment(env):
+                client = MlflowClient(tracking_uri=uri)
+                name = named or experiment
+                found = client.get_experiment_by_name(name)
+                experiment_id = found.experiment_id if found is not None else client.create_experiment(name)
+                run = client.create_run(experiment_id, tags=dict(tags),
+                                        run_name="%s try %s" % (tags.get("task_id"), tags.get("try")))
+                client.log_batch(run.info.run_id, params=_params(params))
         except Exception as err:  # noqa: BLE001 - MLflow never fails the training
             log.warning("MLflow (connection %r) cannot be reached; training goes on without it: %s",
                         self.mlflow_conn_id, err)
             return None
         url = "%s/#/experiments/%s/runs/%s" % (uri.rstrip("/"), experiment_id, run.info.run_id)
         log.info("MLflow run %s in experiment %r: %s", run.info.run_id, name, url)
-        return MlflowRun(client, run.info.run_id, url)
+        return MlflowRun(client, run.info.run_id, url, env)
+
+
+_ENVIRONMENT_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _mlflow_environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` (a connection's credentials and request settings) in ``os.environ`` while inside, and
+    no other connection's credentials; afterwards ``os.environ`` is as it was."""
+    with _ENVIRONMENT_LOCK:
+        before = {name: os.environ.get(name) for name in {*CREDENTIAL_ENV, *env}}
+        for name in CREDENTIAL_ENV:
+            os.environ.pop(name, None)
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def _params(params: Mapping[str, Any]) -> list[Any]:
@@ -107,8 +132,9 @@ class MlflowRun:
     """One try's MLflow run: reports are logged from a thread of their own, in batches, so a slow
     server never holds up the channel; the first error is a warning and ends the logging."""
 
-    def __init__(self, client: Any, run_id: str, url: str) -> None:
+    def __init__(self, client: Any, run_id: str, url: str, env: Mapping[str, str] | None = None) -> None:
         self.client = client
+        self._env = dict(env or {})
         self.run_id = run_id
         self.url = url
         self._pending: queue.Queue[Report] = queue.Queue(maxsize=MAX_PENDING)
@@ -156,7 +182,8 @@ class MlflowRun:
         if self.failed:
             return
         try:
-            fn(*args, **kwargs)
+            with _mlflow_environment(self._env):
+                fn(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - MLflow never fails the training
             self.failed = True
             log.warning("MLflow could not %s for run %s; training goes on without it: %s", what, self.run_id, err)

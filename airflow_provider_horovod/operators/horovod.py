@@ -149,7 +149,7 @@ class HorovodRunnerOperator(BaseOperator):
                       max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline,
                       stall_timeout=stall_timeout)
         check_when_parsed(training_callable, np=np, op_args=op_args, op_kwargs=op_kwargs, resume=resume)
-        check_dataset(dataset)
+        check_dataset(dataset, templated=True)
         if dataset is not None and isinstance(np, int) and np < 0:
             raise ValueError("dataset= needs np > 0: it reaches the ranks through the barrier stage; got np=%d" % np)
         self.training_callable = training_callable

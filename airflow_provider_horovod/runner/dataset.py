@@ -36,6 +36,13 @@ from airflow_provider_horovod.exceptions import DatasetError
 # A table name: ``name``, ``db.name``, ``catalog.db.name``, parts optionally in backticks
 # (``parquet.`/data/events``` reads files with no catalog). Anything else is Spark SQL.
 TABLE_NAME = re.compile(r"(?:\w+|`[^`]+`)(?:\.(?:\w+|`[^`]+`))*")
+# A query is read-only Spark SQL: it starts with one of QUERY_STARTS and names none of QUERY_NEVER outside
+# string literals, backquoted names and comments (``check_query``). Anything else is refused before
+# Spark sees it: ``spark.sql`` runs a command (CREATE, INSERT, DROP, ...) at once.
+QUERY_STARTS = ("SELECT", "WITH", "FROM", "VALUES", "TABLE")
+QUERY_NEVER = ("INSERT", "UPDATE", "DELETE", "MERGE", "REFLECT", "JAVA_METHOD", "TRY_REFLECT")  # writes; Java calls
+_SQL_TOKEN = re.compile(r"""[rR]'[^']*'|[rR]"[^"]*"|'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|`[^`]*`|--[^\n]*|/\*.*?\*/"""
+                        r"""|(?P<word>\w+)|(?P<other>\S)""", re.S)
 KEY_COLUMN = "__hvdrunner_key"
 META_TOTAL_ROWS = b"hvdrunner.total_rows"
 META_SHARDS = b"hvdrunner.shards"
@@ -57,8 +64,10 @@ class DatasetSpec:
         return self.total_rows // self.shards + (1 if partition < self.total_rows % self.shards else 0)
 
 
-def check_dataset(dataset: Any) -> None:
-    """What can be checked without Spark (at DAG parse time): the kind of ``dataset=``."""
+def check_dataset(dataset: Any, *, templated: bool = False) -> None:
+    """What can be checked without Spark (at DAG parse time): the kind of ``dataset=``, and that a
+    string is a table name or a read-only query (``templated``: a string with Jinja in it is checked
+    once rendered, when the engine takes it)."""
     if dataset is None or callable(dataset) or _is_dataframe(dataset):
         return
     if not isinstance(dataset, str):
@@ -66,6 +75,31 @@ def check_dataset(dataset: Any) -> None:
                            "DataFrame; got %s" % type(dataset).__name__)
     if not dataset.strip():
         raise DatasetError("dataset is an empty string: give a table name or a Spark SQL query (or leave it out).")
+    if not is_table_name(dataset) and not (templated and ("{{" in dataset or "{%" in dataset)):
+        check_query(dataset)
+
+
+def check_query(text: str) -> None:
+    """``DatasetError`` unless ``text`` is a query that reads (see ``QUERY_STARTS``, ``QUERY_NEVER``):
+    checked on the text, so nothing else ever reaches ``spark.sql``."""
+    words, others = [], []
+    for token in _SQL_TOKEN.finditer(text):
+        if token.group("word"):
+            words.append(token.group("word").upper())
+        elif token.group("other") and token.group("other") not in "()":
+            others.append((len(words), token.group("other")))
+    refused = [w for w in words if w in QUERY_NEVER]
+    semicolons = [at for at, char in others if char == ";"]
+    why = ("it does not start with %s" % "/".join(QUERY_STARTS) if not words or words[0] not in QUERY_STARTS else
+           "it names %s" % refused[0] if refused else
+           "it holds more than one statement" if semicolons[:-1] or (semicolons and semicolons[-1] != len(words)) else
+           None)
+    if why is not None:
+        raise DatasetError(
+            "dataset=%r is neither a table name nor a read-only query (%s): a string dataset= is a table name "
+            "(db.table) or a query that starts with SELECT, WITH, FROM, VALUES or TABLE and writes nothing; it is "
+            "refused before Spark runs it. For anything else pass a callable spark -> DataFrame."
+            % (" ".join(text.split())[:200], why))
 
 
 def describe(dataset: Any) -> str:

@@ -23,6 +23,7 @@ Horovod's own driver does the same with its request classes (``horovod.runner.co
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import typing
@@ -31,6 +32,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from airflow_provider_horovod.runner.events import Failure
+from airflow_provider_horovod.runner.text import one_line
 from airflow_provider_horovod.runner.wire import ProtocolError
 
 if TYPE_CHECKING:  # a rank's runtime.log_to_driver sends Logs without importing Horovod (plan.py does)
@@ -165,6 +167,10 @@ class Finished(Message):
 
 
 # -- rank (or task) -> driver ---------------------------------------------------------------------
+LOGS_FRAME_BYTES = 512 * 1024  # the most JSON one logs frame of a rank carries (the driver's limit is twice that)
+LOG_LINE_CHARS = 32 * 1024  # a longer line of output travels as several (at most 12 bytes of JSON a character)
+
+
 @message("logs")
 @dataclasses.dataclass(frozen=True)
 class Logs(Message):
@@ -175,6 +181,25 @@ class Logs(Message):
     lines: list[str]
     callback: bool = False
     quiet: bool = False
+
+    @classmethod
+    def batches(cls, rank: int, lines: list[str], *, callback: bool = False, quiet: bool = False) -> list[Logs]:
+        """``lines`` as frames of at most ``LOGS_FRAME_BYTES`` of JSON each (the driver hangs up on a
+        rank's larger frame): a line longer than ``LOG_LINE_CHARS`` travels as several."""
+        out: list[Logs] = []
+        batch: list[str] = []
+        size = 0
+        for line in lines:
+            for piece in [line[i:i + LOG_LINE_CHARS] for i in range(0, len(line), LOG_LINE_CHARS)] or [line]:
+                cost = len(json.dumps(piece)) + 2
+                if batch and size + cost > LOGS_FRAME_BYTES:
+                    out.append(cls(rank, batch, callback=callback, quiet=quiet))
+                    batch, size = [], 0
+                batch.append(piece)
+                size += cost
+        if batch:
+            out.append(cls(rank, batch, callback=callback, quiet=quiet))
+        return out
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Logs:
@@ -558,9 +583,9 @@ def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
         raise ValueError("runtime.report takes at most %d metrics; got %d" % (MAX_METRICS, len(metrics)))
     out = {}
     for key, value in metrics.items():
-        if not isinstance(key, str) or not key or len(key) > MAX_NAME_CHARS:
-            raise ValueError("a metric's name must be a non-empty str of at most %d characters; got %r"
-                             % (MAX_NAME_CHARS, key))
+        if not isinstance(key, str) or not key or len(key) > MAX_NAME_CHARS or one_line(key) != key:
+            raise ValueError("a metric's name must be a non-empty str of at most %d characters without control "
+                             "characters (newline, escape...); got %r" % (MAX_NAME_CHARS, key))
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError("runtime.report(%s=...) takes a number (int or float; call .item() on a tensor); got a %s"
                             % (key, type(value).__qualname__))

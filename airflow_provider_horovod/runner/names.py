@@ -42,8 +42,27 @@ HOROVOD_RANK_CONTRACT = (
     "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
     "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_TIMELINE",
 )
-# Variables of the task's environment that carry secrets no rank, mpirun or orted needs: they are
-# not passed on (``is_secret_env``; docs/security.md). What training needs goes in through ``env=``.
+# What of the task's environment reaches the ranks, mpirun and orted (``passes_to_ranks``;
+# docs/security.md): an allow-list of what they and the frameworks need, never a name that holds a
+# secret by its name; more through the user's ``env=`` (values) or ``HVDRUNNER_PASS_ENV`` (names).
+ENV_PASS = "HVDRUNNER_PASS_ENV"  # in the task's environment: more names (or PREFIX_*) to pass on, comma-separated
+RANK_ENV_NAMES = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TMP", "TEMP", "TZ", "LANG", "LANGUAGE",
+    "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "JAVA_HOME",
+    "PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED", "PYTHONWARNINGS",
+    "PYTHONFAULTHANDLER", "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONSAFEPATH",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "TOKENIZERS_PARALLELISM",
+)
+RANK_ENV_PREFIXES = (
+    "LC_", "XDG_",  # locale, user folders
+    "CUDA_", "NCCL_", "NVIDIA_", "CUDNN_", "HIP_", "ROCR_", "ROCM_", "HSA_",  # accelerators and their collectives
+    "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_",  # CPU threads
+    "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "TRITON_", "TF_", "XLA_", "KERAS_", "HF_", "TRANSFORMERS_",  # frameworks
+    "HOROVOD_", "OMPI_", "OPAL_", "PMIX_", "ORTE_", "GLOO_", "UCX_", "FI_",  # Horovod, Open MPI, Gloo, fabrics
+    "HVDRUNNER_",  # this provider's own
+)
+# Names that hold a secret stay behind even when the allow-list has them (``HF_TOKEN``), unless
+# ``HVDRUNNER_PASS_ENV`` names them.
 SECRET_ENV_NAMES = (
     "PYTHON_WORKER_FACTORY_SECRET", "_SPARK_AUTH_SECRET",  # Spark's worker and RPC secrets
     "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__CELERY__BROKER_URL", "AIRFLOW__CELERY__RESULT_BACKEND",
@@ -51,6 +70,18 @@ SECRET_ENV_NAMES = (
 SECRET_ENV_PREFIXES = ("AWS_", "AZURE_", "AIRFLOW_CONN_", "AIRFLOW_VAR_")  # cloud credentials, Airflow's connections
 _SECRET_ENV_WORDS = re.compile(
     r"(^|_)(SECRETS?|TOKENS?|PASSWORDS?|PASSWD|CREDENTIALS?|API_?KEYS?|ACCESS_?KEYS?|PRIVATE_?KEYS?|FERNET_KEY)(_|$)")
+
+
+def passes_to_ranks(name: str, passed: str = "") -> bool:
+    """Whether the task's variable ``name`` reaches the ranks, mpirun and orted: named in ``passed``
+    (``HVDRUNNER_PASS_ENV``: names, or prefixes ending in ``*``, comma-separated), or on the
+    allow-list and not a secret by its name. Spark's and Airflow's own secrets never pass."""
+    if name.upper() in SECRET_ENV_NAMES:
+        return False
+    for word in (w.strip() for w in passed.split(",")):
+        if word and (name == word or (word.endswith("*") and name.startswith(word[:-1]))):
+            return True
+    return (name in RANK_ENV_NAMES or name.startswith(RANK_ENV_PREFIXES)) and not is_secret_env(name)
 
 
 def is_secret_env(name: str) -> bool:

@@ -1,10 +1,13 @@
 """Authenticated framing for every socket the engine opens.
 
-A connection starts with a mutual handshake. The server sends a random nonce; the client answers
-with its role and a nonce of its own, then a ``hello`` frame. Both sides derive the connection's
-key from the role's key and both nonces, so a frame recorded on one connection means nothing on
-another, in either direction. The server reads at most a small hello before it knows the client
-holds the role's key, and the client reads the server's ``welcome`` before it trusts anything.
+A connection starts with a mutual handshake. The client knocks first: its role, a nonce of its
+own and a proof made with the role's key over both (``_knock``), so the server tells a keyed client
+from a stranger by its first packet, before it gives the connection a thread (``Server``). The
+server answers with a random nonce; the client sends a ``hello`` frame. Both sides derive the
+connection's key from the role's key and both nonces, so a frame recorded on one connection means
+nothing on another, in either direction. The server reads at most a small hello before it knows
+the client holds the role's key, and the client reads the server's ``welcome`` before it trusts
+anything.
 
 Every frame after that carries a 16-byte tag: AES-256-GCM (NIST SP 800-38D) under the connection
 key with the body as associated data and ``direction || sequence number`` as the nonce, so each
@@ -36,6 +39,7 @@ import logging
 import os
 import re
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -55,6 +59,7 @@ PIECE = 256 * 1024  # how much of a large frame is in user space at once: tagged
 HELLO_MAX = 4096  # the most a server reads from a peer it has not authenticated yet
 HANDSHAKE_TIMEOUT = 10.0
 MAX_ROLE = 16
+KNOCK_PROOF = 16  # bytes of the knock's proof (a truncated HMAC-SHA256 under the role's key)
 _HEADER = struct.Struct("!I")
 _HELLO = b"hvdrunner-hello"
 _WELCOME = b"hvdrunner-welcome"
@@ -183,6 +188,15 @@ def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | No
         pos += got
 
 
+_TYPE_PREFIX = re.compile(rb'\{"t": "([a-z-]{1,32})"')  # how json.dumps starts a message (``t`` first)
+
+
+def frame_type(body: bytes | bytearray) -> str | None:
+    """The type of the message in ``body`` (its ``t``) read from its first bytes, without parsing the rest."""
+    found = _TYPE_PREFIX.match(body)
+    return found.group(1).decode() if found else None
+
+
 class FramedConnection:
     """One side of an authenticated connection; ``send``/``recv`` move JSON objects or raw frames."""
 
@@ -243,9 +257,15 @@ class FramedConnection:
             if self.sock.sendfile(file, offset, size) != size:
                 raise OSError("%s shrank while it was sent" % getattr(file, "name", "a file"))
 
+    def limit_frames(self, most: int) -> None:
+        """From now on a frame longer than ``most`` is a ``FrameTooLarge`` at its header, before its body is read."""
+        self._max_frame = min(most, MAX_FRAME)
+
     def _recv_header(self) -> tuple[int, bytearray]:
         (length,) = _HEADER.unpack(_recv_exact(self.sock, _HEADER.size, self._deadline))
         if length > self._max_frame:
+            if self._deadline is None and self._max_frame < MAX_FRAME:  # an authenticated peer past its role's limit
+                raise FrameTooLarge(length, self._max_frame)
             raise AuthenticationError("frame of %d bytes is larger than allowed here (%d)" % (length, self._max_frame))
         return length, _recv_exact(self.sock, MAC_BYTES, self._deadline)
 
@@ -282,9 +302,18 @@ class FramedConnection:
     def send(self, obj: dict[str, Any]) -> None:
         self.send_bytes(json.dumps(obj).encode())
 
-    def recv(self) -> dict[str, Any]:
-        """The next message: always a JSON object (anything else is a ``ProtocolError``)."""
+    def recv(self, sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """The next message: always a JSON object (anything else is a ``ProtocolError``). With
+        ``sizes`` (the most bytes of each message type this peer may send), a frame whose type, read
+        from its first bytes (``frame_type``), is not in ``sizes`` or that is longer than its type's
+        limit is a ``ProtocolError`` before it is parsed."""
         body = self.recv_bytes()
+        if sizes is not None:
+            kind = frame_type(body)
+            if kind not in sizes:
+                raise ProtocolError("a frame of type %r, which this peer may not send" % (kind,))
+            if len(body) > sizes[kind]:
+                raise FrameTooLarge(len(body), sizes[kind])
         try:
             msg = json.loads(body)
         except ValueError as err:
@@ -320,6 +349,35 @@ def _keepalive(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
 
 
+def _knock(key: bytes, role: bytes, client_nonce: bytes) -> bytes:
+    """What a client sends first: its role, its nonce and a proof that it holds the role's key (a
+    tag over both), so a server tells a keyed client from a stranger by its first packet."""
+    proof = hmac.new(key, b"hvdrunner-knock" + role + client_nonce, hashlib.sha256).digest()[:KNOCK_PROOF]
+    return bytes([len(role)]) + role + client_nonce + proof
+
+
+_LONGEST_KNOCK = 1 + MAX_ROLE + NONCE_BYTES + KNOCK_PROOF
+
+
+def _knock_size(first: int) -> int | None:
+    """How long a knock whose first byte is ``first`` is; None if no knock starts so."""
+    return 1 + first + NONCE_BYTES + KNOCK_PROOF if 0 < first <= MAX_ROLE else None
+
+
+def _check_knock(knock: bytes, keys: Mapping[str, bytes]) -> tuple[str, bytes, bytes]:
+    """The role, its key and the client's nonce of a whole ``knock``; ``AuthenticationError`` unless
+    its proof was made with the key of a role this server serves."""
+    size = knock[0]
+    role = knock[1:1 + size].decode("ascii", "replace")
+    client_nonce, proof = knock[1 + size:1 + size + NONCE_BYTES], knock[1 + size + NONCE_BYTES:]
+    key = keys.get(role)
+    if key is None:
+        raise AuthenticationError("a peer claiming a role this service does not serve (%r)" % role[:MAX_ROLE])
+    if not hmac.compare_digest(proof, _knock(key, knock[1:1 + size], client_nonce)[-KNOCK_PROOF:]):
+        raise AuthenticationError("a peer that does not hold the key of the role it claims (%r)" % role)
+    return role, key, client_nonce
+
+
 def connect(address: tuple[str, int], credentials: Credentials, timeout: float = 10.0) -> ClientConnection:
     """Connect and complete the handshake within ``timeout`` in all (however slowly the server
     answers); the server must prove it holds the key too."""
@@ -328,11 +386,9 @@ def connect(address: tuple[str, int], credentials: Credentials, timeout: float =
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _keepalive(sock)
-        server_nonce = bytes(_recv_exact(sock, NONCE_BYTES, deadline))
         client_nonce = os.urandom(NONCE_BYTES)
-        role = credentials.role.encode()
-        _time_left(sock, deadline)
-        sock.sendall(bytes([len(role)]) + role + client_nonce)
+        sock.sendall(_knock(credentials.key, credentials.role.encode(), client_nonce))
+        server_nonce = bytes(_recv_exact(sock, NONCE_BYTES, deadline))
         conn = ClientConnection(sock, _session_key(credentials.key, server_nonce, client_nonce), credentials.role)
         conn._deadline, conn._max_frame = deadline, HELLO_MAX
         conn.send_bytes(_HELLO)
@@ -347,23 +403,26 @@ def connect(address: tuple[str, int], credentials: Credentials, timeout: float =
 
 
 def handshake(sock: socket.socket, keys: Mapping[str, bytes], timeout: float | None = None) -> ServerConnection:
-    """The server's half: nothing the peer sends is acted on (or read past a small hello) before it
-    proves it holds the key of a role this server accepts, within ``HANDSHAKE_TIMEOUT`` in all (a
-    peer that sends a byte now and then gains no time)."""
+    """The server's half, blocking (``Server`` reads the knock itself): nothing the peer sends is
+    acted on (or read past its knock) before it proves it holds the key of a role this server
+    accepts, within ``HANDSHAKE_TIMEOUT`` in all (a peer that sends a byte now and then gains no time)."""
     deadline = time.monotonic() + (timeout or HANDSHAKE_TIMEOUT)
+    first = bytes(_recv_exact(sock, 1, deadline))
+    size = _knock_size(first[0])
+    if size is None:
+        raise AuthenticationError("a malformed handshake")
+    role, key, client_nonce = _check_knock(first + bytes(_recv_exact(sock, size - 1, deadline)), keys)
+    return _finish_handshake(sock, role, key, client_nonce, deadline)
+
+
+def _finish_handshake(sock: socket.socket, role: str, key: bytes, client_nonce: bytes,
+                      deadline: float) -> ServerConnection:
+    """After a good knock: the server's nonce, the client's hello under the connection's key, our welcome."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     _keepalive(sock)
     server_nonce = os.urandom(NONCE_BYTES)
     _time_left(sock, deadline)
     sock.sendall(server_nonce)
-    size = _recv_exact(sock, 1, deadline)[0]
-    if not 0 < size <= MAX_ROLE:
-        raise AuthenticationError("a malformed handshake")
-    role = bytes(_recv_exact(sock, size, deadline)).decode("ascii", "replace")
-    client_nonce = bytes(_recv_exact(sock, NONCE_BYTES, deadline))
-    key = keys.get(role)
-    if key is None:
-        raise AuthenticationError("a peer claiming a role this service does not serve (%r)" % role[:MAX_ROLE])
     conn = ServerConnection(sock, _session_key(key, server_nonce, client_nonce), role)
     conn._deadline, conn._max_frame = deadline, HELLO_MAX
     if conn.recv_bytes() != _HELLO:
@@ -383,8 +442,7 @@ def listen(host: str, backlog: int = 128) -> socket.socket:
 
 
 def stop_listening(listener: socket.socket) -> None:
-    """Stop accepting now: ``shutdown`` wakes a thread blocked in ``accept`` (a bare ``close``
-    leaves the kernel listening until that call returns), then close."""
+    """Stop accepting now: ``shutdown`` wakes the server's loop and refuses new peers at once, then close."""
     with contextlib.suppress(OSError):
         listener.shutdown(socket.SHUT_RDWR)
     with contextlib.suppress(OSError):
@@ -394,94 +452,201 @@ def stop_listening(listener: socket.socket) -> None:
 # accept() errors that say "not now" (no descriptors, no buffers, a peer that gave up): the loop waits and goes on
 _TRANSIENT = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO, errno.EPERM,
               errno.EINTR, errno.EAGAIN)
+_CLOSED = (errno.EBADF, errno.EINVAL, errno.ENOTSOCK)
+SEEN_KNOCKS = 65536  # the client nonces of the newest good knocks a server remembers: a replayed knock is refused
+
+
+@dataclasses.dataclass
+class _Unproven:
+    """A connection whose knock has not come whole yet."""
+
+    source: str
+    deadline: float
+    knock: bytearray = dataclasses.field(default_factory=bytearray)
 
 
 class Server:
-    """Accepts connections on ``listener`` until it is closed; each in a thread of its own.
+    """Accepts connections on ``listener`` until it is closed.
 
-    Bounded: at most ``max_pending`` connections in their handshake (each for at most
-    ``HANDSHAKE_TIMEOUT`` in all), of which at most ``max_pending_per_source`` from one address,
-    and ``max_connections`` in all; more are closed at once. So a peer without a key that holds
-    handshakes open from one address leaves the other addresses room. The loop survives running
-    out of file descriptors and any error of a single connection.
+    Admission is by the client's first packet (its knock: role, nonce and a proof made with the
+    role's key), read by one thread for every connection that has not proven anything yet: such a
+    connection costs a descriptor and a few bytes, never a thread. At most ``max_unproven`` of them
+    are held, each for at most ``HANDSHAKE_TIMEOUT``; when a new one comes the oldest is closed. A
+    keyed client's knock comes with its first packet, so it is read long before the strangers that
+    came after it could push it out, however many addresses they use. Only then does a connection
+    get a thread of its own (at most ``max_connections`` in all; at most ``pending_per_role(role)``
+    of one role in the rest of their handshake) to finish the handshake and be served. A knock's
+    nonce is accepted once (a recorded knock replayed gets nothing). The loop survives running out
+    of file descriptors and any error of a single connection.
     """
 
     def __init__(self, listener: socket.socket, keys: Mapping[str, bytes], handle: Callable[[ServerConnection], None],
-                 name: str, *, max_connections: int = 1024, max_pending: int = 64,
-                 max_pending_per_source: int | None = None,
+                 name: str, *, max_connections: int = 1024, max_unproven: int = 256,
+                 pending_per_role: Callable[[str], int | None] = lambda role: None,
                  on_reject: Callable[[BaseException], None] | None = None) -> None:
         self._listener = listener
         self._keys = keys
         self._handle = handle
         self._name = name
         self._all = threading.BoundedSemaphore(max_connections)
-        self._pending = threading.BoundedSemaphore(max_pending)
-        self._per_source = max_pending_per_source or max_pending
-        self._pending_from: collections.Counter[str] = collections.Counter()
+        self._max_unproven = max_unproven
+        self._pending_per_role = pending_per_role
+        self._pending_of: collections.Counter[str] = collections.Counter()
         self._count_lock = threading.Lock()
+        self._unproven: collections.OrderedDict[socket.socket, _Unproven] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._selector = selectors.DefaultSelector()
         self._on_reject = on_reject or (lambda err: None)
         self.turned_away = 0
+        listener.setblocking(False)
+        self._selector.register(listener, selectors.EVENT_READ)
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while self._listener.fileno() >= 0:
+                accept = False
+                for key, _ in self._selector.select(0.25):
+                    if key.fileobj is self._listener:
+                        accept = True
+                    else:
+                        self._read_knock(key.fileobj)  # knocks first: they came before the next strangers
+                if accept and not self._accept():
+                    return
+                self._expire()
+        except (OSError, ValueError):
+            return  # the listener went away under the selector
+        finally:
+            for sock in list(self._unproven):
+                self._drop(sock)
+            self._selector.close()
+
+    def _accept(self) -> bool:
+        """Take what the kernel holds (a bounded burst); False once the listener is closed."""
+        for _ in range(max(1, self._max_unproven // 2)):
             try:
                 sock, peer = self._listener.accept()
+            except BlockingIOError:
+                return True
             except OSError as err:
-                if self._listener.fileno() < 0 or err.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
-                    return  # closed
-                if err.errno in _TRANSIENT or isinstance(err, socket.timeout):
+                if self._listener.fileno() < 0 or err.errno in _CLOSED:
+                    return False
+                if err.errno in (errno.EMFILE, errno.ENFILE) and self._unproven:
+                    self._drop(next(iter(self._unproven)), turned_away=True)  # a descriptor for whoever comes
+                elif err.errno in _TRANSIENT:
                     time.sleep(0.05)
-                    continue
-                log.warning("%s: accept failed (%s); still listening", self._name, err)
-                time.sleep(0.05)
-                continue
-            source = str(peer[0])
-            if not self._admit(source):
-                self._turn_away(sock)
-                continue
-            try:
-                threading.Thread(target=self._one, args=(sock, source), name=self._name, daemon=True).start()
-            except RuntimeError:  # no thread to be had
-                self._end_pending(source)
-                self._all.release()
-                self._turn_away(sock)
+                else:
+                    log.warning("%s: accept failed (%s); still listening", self._name, err)
+                    time.sleep(0.05)
+                return True
+            if len(self._unproven) >= self._max_unproven:
+                self._drop(next(iter(self._unproven)), turned_away=True)
+            sock.setblocking(False)
+            self._unproven[sock] = _Unproven(str(peer[0]), time.monotonic() + HANDSHAKE_TIMEOUT)
+            self._selector.register(sock, selectors.EVENT_READ)
+        return True
 
-    def _admit(self, source: str) -> bool:
-        """Room for one more connection in its handshake, from ``source``: all three limits hold."""
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._unproven:
+            sock, unproven = next(iter(self._unproven.items()))
+            if unproven.deadline > now:
+                return
+            self._drop(sock)
+
+    def _forget(self, sock: socket.socket) -> None:
+        """``sock`` is no longer waited on for its knock."""
+        self._unproven.pop(sock, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(sock)
+
+    def _drop(self, sock: socket.socket, *, turned_away: bool = False) -> None:
+        self._forget(sock)
+        with contextlib.suppress(OSError):
+            sock.close()
+        if turned_away:
+            self.turned_away += 1
+
+    def _read_knock(self, sock: socket.socket) -> None:
+        unproven = self._unproven.get(sock)
+        if unproven is None:
+            return
+        knock = unproven.knock
+        try:
+            got = sock.recv((_knock_size(knock[0]) or 0) - len(knock) if knock else _LONGEST_KNOCK)
+        except BlockingIOError:
+            return
+        except OSError:
+            got = b""
+        if not got:
+            self._drop(sock)  # a peer that went away before its knock
+            return
+        knock += got
+        size = _knock_size(knock[0])
+        try:
+            if size is None or len(knock) > size:  # nothing follows a knock before the server's nonce
+                raise AuthenticationError("a malformed handshake")
+            if len(knock) < size:
+                return
+            role, key, client_nonce = _check_knock(bytes(knock), self._keys)
+            if client_nonce in self._seen:
+                raise AuthenticationError("a knock seen before (replayed) for role %r" % role)
+        except AuthenticationError as err:
+            self._drop(sock)
+            self._on_reject(err)
+            return
+        self._forget(sock)
+        self._remember(client_nonce)
+        if not self._admit(role):
+            self.turned_away += 1
+            with contextlib.suppress(OSError):
+                sock.close()
+            return
+        sock.setblocking(True)
+        try:
+            threading.Thread(target=self._one, args=(sock, role, key, client_nonce, unproven.deadline),
+                             name=self._name, daemon=True).start()
+        except RuntimeError:  # no thread to be had
+            self._end_pending(role)
+            self._all.release()
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _remember(self, client_nonce: bytes) -> None:
+        self._seen[client_nonce] = None
+        if len(self._seen) > SEEN_KNOCKS:
+            self._seen.popitem(last=False)
+
+    def _admit(self, role: str) -> bool:
+        """Room for one more connection of ``role`` in the rest of its handshake: both limits hold."""
         if not self._all.acquire(blocking=False):
             return False
+        most = self._pending_per_role(role)
         with self._count_lock:
-            if self._pending_from[source] < self._per_source and self._pending.acquire(blocking=False):
-                self._pending_from[source] += 1
+            if most is None or self._pending_of[role] < most:
+                self._pending_of[role] += 1
                 return True
         self._all.release()
         return False
 
-    def _end_pending(self, source: str) -> None:
+    def _end_pending(self, role: str) -> None:
         with self._count_lock:
-            self._pending_from[source] -= 1
-            if not self._pending_from[source]:
-                del self._pending_from[source]
-        self._pending.release()
+            self._pending_of[role] -= 1
+            if not self._pending_of[role]:
+                del self._pending_of[role]
 
-    def _turn_away(self, sock: socket.socket) -> None:
-        self.turned_away += 1
-        with contextlib.suppress(OSError):
-            sock.close()
-
-    def _one(self, sock: socket.socket, source: str) -> None:
+    def _one(self, sock: socket.socket, role: str, key: bytes, client_nonce: bytes, deadline: float) -> None:
         pending = True
         try:
             try:
-                conn = handshake(sock, self._keys)
+                conn = _finish_handshake(sock, role, key, client_nonce, deadline)
             except AuthenticationError as err:
                 self._on_reject(err)
                 return
             except (OSError, ValueError):
                 return  # a peer that went away or never finished its hello
-            self._end_pending(source)
+            self._end_pending(role)
             pending = False
             try:
                 self._handle(conn)
@@ -491,7 +656,7 @@ class Server:
                 conn.close()
         finally:
             if pending:
-                self._end_pending(source)
+                self._end_pending(role)
             self._all.release()
             with contextlib.suppress(OSError):
                 sock.close()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import socket
+import subprocess
+import sys
 import time
 
 from airflow_provider_horovod.runner import wire
@@ -34,8 +38,44 @@ def hung_up(sock: socket.socket, timeout: float = 5.0) -> bool:
 
 
 def raw_hello(address: tuple[str, int], role: str = wire.ROLE_TASK) -> socket.socket:
-    """A connection that has said which role it claims, and nothing that proves it."""
+    """A connection that has said which role it claims, with a proof not made with its key."""
     sock = socket.create_connection(address, timeout=5)
-    sock.recv(wire.NONCE_BYTES)
-    sock.sendall(bytes([len(role)]) + role.encode() + b"n" * wire.NONCE_BYTES)
+    sock.sendall(bytes([len(role)]) + role.encode() + b"n" * wire.NONCE_BYTES + bytes(wire.KNOCK_PROOF))
     return sock
+
+
+# Another local user holding handshakes open from several source addresses: ``per_address``
+# connections from each, each reopened the moment the server drops it (issue 40's T4-1).
+_FLOOD = """
+import socket, sys, threading, time
+port, per_address, addresses = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+def hold(source):
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=60, source_address=(source, 0)) as sock:
+                while sock.recv(4096):
+                    pass
+        except OSError:
+            time.sleep(0.002)
+for address in addresses:
+    for _ in range(per_address):
+        threading.Thread(target=hold, args=(address,), daemon=True).start()
+print("flooding", flush=True)
+time.sleep(600)
+"""
+
+
+@contextlib.contextmanager
+def flood_as_another_user(port: int, sources: int, per_address: int = 24):
+    """While inside, a process of ``nobody`` floods ``port`` from 127.0.0.2 and the next ``sources - 1`` addresses."""
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable  # one that nobody may run
+    addresses = ["127.0.0.%d" % (2 + n) for n in range(sources)]
+    proc = subprocess.Popen([python, "-I", "-c", _FLOOD, str(port), str(per_address), *addresses], user=65534,
+                            group=65534, stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        assert proc.stdout.readline().strip() == "flooding"
+        time.sleep(1.0)  # every connection open, the server's pending room taken
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

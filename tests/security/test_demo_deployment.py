@@ -59,3 +59,22 @@ def test_the_login_and_the_token_secret_are_random_and_the_login_file_private(tm
     finally:
         first.postgres.stop()
         second.postgres.stop()
+
+
+def test_the_plain_demos_folder_is_private_even_when_an_earlier_demo_left_it_open(tmp_path):
+    """Issue 40, T4-15: ``./scripts/demo`` (without ``--ui``) left its AIRFLOW_HOME 0755 with a
+    world-readable SQLite database (XComs, rendered fields, task state)."""
+    home = tmp_path / ".airflow-demo"
+    home.mkdir(mode=0o755)
+    (home / "airflow.db").write_text("xcoms")
+    (home / "airflow.db").chmod(0o644)
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "demo_home")
+    subprocess.run([script, str(home)], check=True, timeout=30)
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert stat.S_IMODE((home / "airflow.db").stat().st_mode) == 0o600
+    fresh = tmp_path / "fresh"
+    subprocess.run([script, str(fresh)], check=True, timeout=30)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    with open(os.path.join(os.path.dirname(script), "demo")) as demo:  # the demo runs it, under umask 077
+        text = demo.read()
+    assert '"$ROOT/scripts/demo_home" "$AIRFLOW_HOME"' in text and text.index("umask 077") < text.index("demo_home")

@@ -132,7 +132,6 @@ def test_only_the_exec_roles_key_reaches_the_service(service, orted_words, crede
 
 def test_a_plain_connection_is_refused(service):
     with socket.create_connection(("127.0.0.1", service.port)) as sock:
-        sock.recv(wire.NONCE_BYTES)
         sock.sendall(b'{"words": ["orted"]}\n' * 4)
         assert hung_up(sock)
     assert settle(lambda: service.refused == 1) and service.launches == 0

@@ -1,19 +1,20 @@
 """A peer without a key cannot hold the handshake open, lock keyed clients out, stall a client, or
-flood the log. Findings N1 (the handshake's half), N9 and N10 of issue #21."""
+flood the log. Findings N1 (the handshake's half), N9 and N10 of issue #21; T4-1 of issue 40 (several addresses)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
 
+import pytest
+
 from airflow_provider_horovod.runner import wire
 from airflow_provider_horovod.runner.driver.channel import Channel
-from airflow_provider_horovod.runner.events import TaskStarted
-from tests.security.attacker import SECRET, TASK, hung_up, settle
-
-ATTACKER = "127.0.0.2"  # another source address (all of 127/8 is this machine's)
+from airflow_provider_horovod.runner.launchers.mpirun import ExecService
+from tests.security.attacker import EXEC, SECRET, TASK, flood_as_another_user, hung_up, settle
 
 
 def test_a_peer_dribbling_its_handshake_is_dropped_at_the_deadline(monkeypatch):
@@ -22,7 +23,6 @@ def test_a_peer_dribbling_its_handshake_is_dropped_at_the_deadline(monkeypatch):
     address = channel.start("127.0.0.1")
     try:
         sock = socket.create_connection(address, timeout=5)
-        sock.recv(wire.NONCE_BYTES)
         began = time.monotonic()
         prefix = bytes([4]) + b"task" + b"n" * wire.NONCE_BYTES + bytes(64)
         dropped = False
@@ -42,21 +42,39 @@ def test_a_peer_dribbling_its_handshake_is_dropped_at_the_deadline(monkeypatch):
     assert dropped and held < 2.5, "the dribbler held its handshake for %.1f s" % held  # the review: for ever
 
 
-def test_one_source_without_a_key_cannot_lock_out_keyed_clients():
-    events = []
-    channel = Channel(SECRET, on_event=events.append)
+def _keyed_clients_get_in(address: tuple[str, int], credentials: wire.Credentials, tries: int = 14) -> int:
+    """How many of ``tries`` keyed clients complete their handshake (each given 2 s), one after another."""
+    got_in = 0
+    for _ in range(tries):
+        try:
+            wire.connect(address, credentials, timeout=2).close()
+            got_in += 1
+        except OSError:
+            pass
+    return got_in
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another local user (nobody) needs root")
+@pytest.mark.parametrize("sources", [4, 16])
+def test_a_local_user_flooding_from_several_addresses_cannot_lock_out_keyed_clients(sources):
+    channel = Channel(SECRET)
     address = channel.start("127.0.0.1")
-    idle = [socket.create_connection(address, source_address=(ATTACKER, 0)) for _ in range(64)]  # every pending slot
     try:
-        assert sum(hung_up(s, timeout=0.5) for s in idle) == 48  # a quarter of the 64 slots per address
-        conn = wire.connect(address, TASK, timeout=3)  # the review: refused for as long as the attacker held on
-        conn.send({"t": "hello", "partition": 0, "executor": "e"})
-        assert settle(lambda: events == [TaskStarted(0, "e")])
-        conn.close()
+        with flood_as_another_user(address[1], sources):
+            assert _keyed_clients_get_in(address, TASK) == 14  # the review, from 4 addresses: 0 of 14
     finally:
-        for sock in idle:
-            sock.close()
         channel.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another local user (nobody) needs root")
+@pytest.mark.parametrize("sources", [4, 16])
+def test_an_exec_service_flooded_from_several_addresses_still_admits_mpiruns_agent(sources):
+    service = ExecService("127.0.0.1", SECRET, {"PATH": os.environ["PATH"]}, os.getpid())
+    try:
+        with flood_as_another_user(service.port, sources):
+            assert _keyed_clients_get_in(("127.0.0.1", service.port), EXEC) == 14  # the review: 0 of 14
+    finally:
+        service.close()
 
 
 def test_connect_gives_up_within_its_timeout_on_a_server_that_answers_byte_by_byte():
@@ -102,3 +120,18 @@ def test_refused_connections_are_warned_about_at_most_once_an_interval(caplog):
         channel.close()
     refusals = [r for r in caplog.records if "Refused a connection" in r.getMessage()]
     assert len(refusals) == 1  # the review: one record per refusal, 11 740 in 5 s
+
+
+def test_a_recorded_knock_replayed_gets_no_handshake():
+    channel = Channel(SECRET)
+    address = channel.start("127.0.0.1")
+    knock = wire._knock(TASK.key, TASK.role.encode(), b"n" * wire.NONCE_BYTES)  # as a keyed client sent it
+    try:
+        with socket.create_connection(address, timeout=5) as first, socket.create_connection(address, timeout=5) as again:
+            first.sendall(knock)
+            assert len(first.recv(wire.NONCE_BYTES)) == wire.NONCE_BYTES  # the server's nonce: go on
+            again.sendall(knock)
+            assert hung_up(again, timeout=3)
+        assert settle(lambda: channel.rejected == 1)
+    finally:
+        channel.close()

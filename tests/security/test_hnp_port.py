@@ -1,4 +1,4 @@
-"""Finding N11 of issue #21: an exec service starts ``orted`` only towards mpirun's own HNP port,
+"""Finding N11 of issue #21 (and its residual in issue 40: the URIs must be exactly mpirun's): an exec service starts ``orted`` only towards mpirun's own HNP port,
 which partition 0 holds for it and names in its facts (the plan pins it), not just towards
 partition 0's address. Pure checks of the orted line: no mpirun needed."""
 
@@ -46,6 +46,10 @@ def test_an_orted_pointed_at_mpiruns_port_passes_and_starts_without_the_port_opt
 @pytest.mark.parametrize("uri", [
     "4242.0;tcp://127.0.0.1:%d" % (HNP_PORT + 1),  # partition 0's address, another port: a fake HNP there
     "4242.0;tcp://127.0.0.1:%d;tcp6://[::1]:%d" % (HNP_PORT + 1, HNP_PORT),
+    # issue 40 (N11's residual): after the genuine URI, further loopback URIs with any port
+    "4242.0;tcp://127.0.0.1:%d;tcp://127.0.0.1:%d" % (HNP_PORT, HNP_PORT + 1),
+    "4242.0;tcp://127.0.0.1:%d;tcp6://[::1]:%d" % (HNP_PORT, HNP_PORT + 1),
+    "4242.0;tcp://127.0.0.1,127.0.0.2:%d" % HNP_PORT,
 ])
 def test_an_orted_pointed_at_another_port_of_partition_0s_host_is_refused(tmp_path, uri):
     plan = _plan(tmp_path)

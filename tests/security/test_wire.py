@@ -102,11 +102,11 @@ def test_a_connection_flood_with_a_low_file_limit_does_not_stop_the_channel(chan
 def test_pending_handshakes_are_capped_and_the_rest_turned_away():
     listener = wire.listen("127.0.0.1")
     served = []
-    server = wire.serve(listener, wire.server_keys(SECRET, wire.ROLE_TASK), served.append, "test", max_pending=4)
+    server = wire.serve(listener, wire.server_keys(SECRET, wire.ROLE_TASK), served.append, "test", max_unproven=4)
     idle = [socket.create_connection(listener.getsockname()) for _ in range(10)]
     try:
         assert settle(lambda: server.turned_away == 6)
-        assert sum(hung_up(s, timeout=0.5) for s in idle) == 6  # the four first still wait for their hello
+        assert sum(hung_up(s, timeout=0.5) for s in idle) == 6  # the four newest still wait for their knock
     finally:
         for sock in idle:
             sock.close()

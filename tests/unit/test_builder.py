@@ -158,3 +158,77 @@ def test_build_environment_asks_for_exactly_the_frameworks():
     both = builder.build_env(("torch", "tensorflow"))
     assert (both["HOROVOD_WITH_TENSORFLOW"], both["CMAKE_POLICY_VERSION_MINIMUM"]) == ("1", "3.5")
 
+
+
+# -- issue 40, T4-11: what the builder takes from the network, the cache and its log ------------------
+def _cached(tmp_path, content=b"a wheel"):
+    wheelhouse = tmp_path / "wheels" / "key"
+    wheelhouse.mkdir(parents=True, mode=0o700)
+    wheel = wheelhouse / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+    wheel.write_bytes(content)
+    wheel.chmod(0o600)
+    builder.record_digest(wheel)
+    return wheel
+
+
+def test_a_cached_wheel_built_here_is_installed_and_one_changed_since_is_refused(tmp_path):
+    wheel = _cached(tmp_path)
+    builder.check_cached_wheel(wheel)
+    wheel.write_bytes(b"another wheel")  # the review: any cached wheel was installed as it was
+    with pytest.raises(HorovodBuildError, match="SHA-256 changed.*Remove .* and run `airflow-horovod build`"):
+        builder.check_cached_wheel(wheel)
+
+
+@pytest.mark.parametrize("spoil", ["world-writable wheel", "group-writable folder", "another user's wheel", "a link"])
+def test_a_cached_wheel_someone_else_could_have_written_is_refused(tmp_path, spoil):
+    import os
+
+    wheel = _cached(tmp_path)
+    if spoil == "world-writable wheel":
+        wheel.chmod(0o606)
+    elif spoil == "group-writable folder":
+        wheel.parent.chmod(0o770)
+    elif spoil == "another user's wheel":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(wheel, 65534, 65534)
+    else:
+        real = wheel.with_name("elsewhere.whl")
+        wheel.rename(real)
+        wheel.symlink_to(real)
+    with pytest.raises(HorovodBuildError, match="Not installing the cached Horovod wheel"):
+        builder.check_cached_wheel(wheel)
+
+
+def test_a_wheel_cached_before_digests_gets_one_once_its_owner_and_mode_pass(tmp_path):
+    wheel = _cached(tmp_path)
+    digest = wheel.with_name(wheel.name + ".sha256")
+    digest.unlink()
+    builder.check_cached_wheel(wheel)
+    assert digest.read_text().strip() == builder.file_digest(wheel)
+
+
+def test_the_build_log_is_never_opened_through_a_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("kept")
+    log = tmp_path / "build.log"
+    log.symlink_to(victim)  # another user's link where the log goes
+    with pytest.raises(OSError):
+        builder.open_log(log)
+    assert victim.read_text() == "kept"
+
+
+def test_an_sdist_that_is_not_the_released_one_is_refused_by_pip_and_never_unpacked(monkeypatch, tmp_path):
+    import tarfile
+
+    index = tmp_path / "index"
+    index.mkdir()
+    with tarfile.open(index / "horovod-0.28.1.tar.gz", "w:gz") as fake:  # a look-alike on the index
+        fake.add(fake_sdist(tmp_path / "horovod-0.28.1"), arcname="horovod-0.28.1")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(HorovodBuildError, match="download the Horovod 0.28.1 sdist with SHA-256 92a43f5a"):
+        builder.download_sdist(work)
+    assert not (work / "horovod-0.28.1").exists()

@@ -70,17 +70,83 @@ def _logging_takes_rank_lines() -> bool:
     return False
 
 
-# What each role may say: a rank process only reports its output, its progress and its failure.
-_RANK_SAYS = (messages.Logs, messages.Error, messages.Event, messages.Report)
-_ALLOWED = {
-    wire.ROLE_RANK: {m.TYPE for m in _RANK_SAYS},
-    wire.ROLE_TASK: {m.TYPE for m in (*_RANK_SAYS, messages.Hello, messages.Facts, messages.Ready, messages.Finished,
-                                      messages.PutArtifacts, messages.FetchResume, messages.PutVersion)},
-}
+# What each role may say, and the most bytes of JSON each message may take: a frame's type and size
+# are checked before it is parsed (``wire.FramedConnection.recv``), and no rank frame is read past
+# the largest of its role's (docs/security.md, "What a rank can cost the driver").
+KiB, MiB = 1024, 1024 * 1024
+_RANK_SAYS = {messages.Logs: 2 * messages.LOGS_FRAME_BYTES, messages.Error: 4 * MiB, messages.Report: 128 * KiB}
+_TASK_SAYS = {messages.Logs: 16 * MiB, messages.Error: 16 * MiB, messages.Report: 128 * KiB, messages.Event: 4 * KiB,
+              messages.Hello: 4 * KiB, messages.Facts: MiB, messages.Ready: 4 * KiB, messages.Finished: wire.MAX_FRAME,
+              messages.PutArtifacts: 4 * KiB, messages.FetchResume: 4 * KiB, messages.PutVersion: wire.MAX_FRAME}
+_ALLOWED = {wire.ROLE_RANK: {m.TYPE: most for m, most in _RANK_SAYS.items()},
+            wire.ROLE_TASK: {m.TYPE: most for m, most in _TASK_SAYS.items()}}
+MAX_EVENTS = 1024  # events recorded from the tasks per attempt (one orted-launched per task); more are dropped
+MAX_CONNECTIONS_PER_RANK = 2  # a rank process opens one; more from its key are hung up on
+REPORT_INTERVAL_S = 0.5  # the most often one of rank 0's reports reaches on_report (the newest waits its turn)
 NO_ARTIFACTS = "this run collects no artifacts"
-MAX_PENDING = 64  # connections in their handshake at once
+MAX_UNPROVEN = 256  # connections held until their knock comes (wire.Server): the oldest goes for a new one
 CLOSE_WAIT_S = 3.0  # how long close() waits for a transfer to put down the chunk in hand (within the cancel's 10 s)
-MAX_PENDING_PER_SOURCE = 16  # of those, from one address: a host's tasks and ranks, never all of them
+
+
+def _pending_per_role(role: str) -> int | None:
+    """A rank (one process) has at most ``MAX_CONNECTIONS_PER_RANK`` connections in its handshake; tasks, any number."""
+    return MAX_CONNECTIONS_PER_RANK if wire.rank_of(role) is not None else None
+
+
+class ReportGate:
+    """Rank 0's reports, at most one per ``interval`` on to ``deliver``, from a thread of the driver's
+    own: a report that comes sooner waits, replaced by any newer one, so however often a rank sends,
+    the driver records at most one report an interval, and the newest is never lost (``close``
+    delivers it). The rank's own coalescing (``rank/reports.py``) is a courtesy, not the limit."""
+
+    def __init__(self, deliver: Callable[[Report], None], interval: float = REPORT_INTERVAL_S) -> None:
+        self._deliver = deliver
+        self._interval = interval
+        self._cond = threading.Condition()
+        self._pending: Report | None = None
+        self._next = float("-inf")
+        self._closed = False
+        self.coalesced = 0  # reports replaced by a newer one before their turn
+        self._thread: threading.Thread | None = None
+
+    def offer(self, report: Report) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            if self._pending is not None:
+                self.coalesced += 1
+            self._pending = report
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="hvdrunner-reports", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                wait = self._next - time.monotonic()
+                if wait > 0 and not self._closed:
+                    self._cond.wait(wait)
+                    continue
+                report, self._pending = self._pending, None
+                self._next = time.monotonic() + self._interval
+            try:
+                self._deliver(report)
+            except Exception as err:  # noqa: BLE001 - what is done with a report never breaks the run
+                log.warning("Could not record rank 0's report of step %s: %s", report.step, err)
+
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Deliver the report that waits (the last one), then take no more."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
 
 class Channel:
@@ -100,9 +166,12 @@ class Channel:
         on_report: Callable[[Report], None] | None = None,
     ) -> None:
         """``versions``: where rank 0's checkpoint versions are committed (``versions.VersionSink``);
-        ``on_report``: called with each of rank 0's reports (``runtime.report``), from its connection's thread."""
+        ``on_report``: called with rank 0's reports (``runtime.report``), at most one every
+        ``REPORT_INTERVAL_S`` (the newest), from a thread of the channel's own."""
         self._versions = versions
-        self._on_report = on_report
+        self._reports = ReportGate(on_report) if on_report is not None else None
+        self._rank_conns: collections.Counter[str] = collections.Counter()
+        self._events_sent = 0  # events the tasks sent (at most MAX_EVENTS are recorded)
         self._keys = wire.server_keys(secret, wire.ROLE_TASK, ranks=True)
         self._run_id = run_id
         self._limits = limits
@@ -142,8 +211,8 @@ class Channel:
             log.info("Not listening for the barrier tasks on %s (%s); Spark's allGather coordinates them", host, err)
             return None
         self.address = (host, self._listener.getsockname()[1])
-        wire.serve(self._listener, self._keys, self._serve, "hvdrunner-channel", max_pending=MAX_PENDING,
-                   max_pending_per_source=MAX_PENDING_PER_SOURCE, on_reject=self._rejected)
+        wire.serve(self._listener, self._keys, self._serve, "hvdrunner-channel", max_unproven=MAX_UNPROVEN,
+                   pending_per_role=_pending_per_role, on_reject=self._rejected)
         return self.address
 
     def _rejected(self, err: BaseException) -> None:
@@ -167,7 +236,10 @@ class Channel:
             self._artifacts_task_dir = str(task_dir)
 
     def close(self) -> None:
-        """Stop listening and hang up on every client; tasks still running take that as cancel."""
+        """Stop listening and hang up on every client; tasks still running take that as cancel. The
+        report that waits its turn is delivered first."""
+        if self._reports is not None:
+            self._reports.close()
         self._closed.set()
         if self._proofs is not None:
             shutil.rmtree(self._proofs, ignore_errors=True)
@@ -204,10 +276,21 @@ class Channel:
         with self._lock:
             self._recorded.append(event)
 
+    def _record_sent(self, event: messages.Event) -> None:
+        """An event a task sent: at most ``MAX_EVENTS`` of them are kept; one warning says more came."""
+        with self._lock:
+            self._events_sent += 1
+            if self._events_sent <= MAX_EVENTS:
+                self._recorded.append(event.recorded())
+                return
+        if self._events_sent == MAX_EVENTS + 1:
+            log.warning("The barrier tasks sent more than %d events; the run's report keeps the first %d",
+                        MAX_EVENTS, MAX_EVENTS)
+
     def lines(self, rank: int, lines: list[str], *, callback: bool = False, quiet: bool = False) -> None:
         """A rank's lines: kept for its failure report; shown unless ``quiet`` (log_callback_only)."""
-        with self._lock:
-            self._tails[rank].extend(lines)
+        with self._lock:  # kept lines are cut where a rank's own lines are (messages.LOG_LINE_CHARS): a bounded tail
+            self._tails[rank].extend(line[:messages.LOG_LINE_CHARS] for line in lines)
         if not quiet:
             self._output(rank, lines, callback=callback)
 
@@ -222,13 +305,14 @@ class Channel:
         partition: int | None = None
         allowed = _ALLOWED[wire.role_family(conn.role)]
         rank = wire.rank_of(conn.role)
+        conn.limit_frames(max(allowed.values()))
         try:
+            if rank is not None:
+                self._count_rank_connection(conn.role)
             while True:
-                raw = conn.recv()
+                raw = conn.recv(allowed)
                 if rank is not None:
                     raw["rank"] = rank  # a rank speaks only for itself, whatever its frames say
-                if raw.get("t") not in allowed:
-                    raise wire.ProtocolError("a %s may not send %r" % (conn.role, raw.get("t")))
                 msg = messages.decode(raw)
                 if isinstance(msg, messages.Hello):
                     partition = msg.partition
@@ -250,12 +334,22 @@ class Channel:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                if rank is not None:
+                    self._rank_conns[conn.role] -= 1
                 lost = partition is not None and self._tasks.get(partition) is conn and partition not in self._finished
                 if partition is not None and self._tasks.get(partition) is conn:
                     del self._tasks[partition]
             conn.close()
             if lost:
                 self._emit(events.TaskLost(partition))
+
+    def _count_rank_connection(self, role: str) -> None:
+        """One more connection of ``role`` (a rank's); more than ``MAX_CONNECTIONS_PER_RANK`` at once
+        is a ``ProtocolError``."""
+        with self._lock:
+            self._rank_conns[role] += 1
+            if self._rank_conns[role] > MAX_CONNECTIONS_PER_RANK:
+                raise wire.ProtocolError("%s holds more than %d connections at once" % (role, MAX_CONNECTIONS_PER_RANK))
 
     def _handle(self, msg: messages.Message) -> None:
         if isinstance(msg, messages.Logs):
@@ -274,18 +368,15 @@ class Channel:
         elif isinstance(msg, messages.Error):
             self._emit(events.RankFailed(msg.failure))
         elif isinstance(msg, messages.Event):
-            self.record(msg.recorded())
+            self._record_sent(msg)
         elif isinstance(msg, Report):
             self._report(msg)
 
     def _report(self, report: Report) -> None:
-        """Rank 0's report goes on; the rank's own ``runtime.report`` sends no other rank's."""
-        if report.rank != 0 or self._on_report is None or self._closed.is_set():
-            return
-        try:
-            self._on_report(report)
-        except Exception as err:  # noqa: BLE001 - what is done with a report never breaks the run
-            log.warning("Could not record rank 0's report of step %s: %s", report.step, err)
+        """Rank 0's report goes on, at most one an interval (``ReportGate``); the rank's own
+        ``runtime.report`` sends no other rank's."""
+        if report.rank == 0 and self._reports is not None and not self._closed.is_set():
+            self._reports.offer(report)
 
     def _serve_transfer(self, conn: wire.ServerConnection, msg: messages.Message) -> None:
         with self._lock:

@@ -105,8 +105,8 @@ def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | No
     """Refuse (``OrtedRefused``) any ``orted`` command line but the one this run's mpirun produces.
 
     The options mpirun itself was given (``mpirun_argv``) must come back with the same values; the
-    ones Open MPI adds are checked by shape; the HNP (mpirun, in partition 0's task) must be at
-    partition 0's address, and the daemon's number (``vpid``) the one of the host asked for (its
+    ones Open MPI adds are checked by shape; the HNP URI must be exactly mpirun's (one URI: partition
+    0's address and the port it holds for mpirun), and the daemon's number (``vpid``) the one of the host asked for (its
     place in the plan, from 1); ``OMPI_MCA_*`` settings of the run's environment pass as they are.
     Anything else (``orte_fork_agent``, ``orte_launch_agent``, a foreign HNP ...) is refused.
     """
@@ -130,12 +130,10 @@ def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | No
         if key == "pmix":
             return bool(_COMPONENTS.match(value))
         if key == "orte_hnp_uri":
-            # the first URI is partition 0's address; further ones (IPv6 on the same interface)
-            # may only name a loopback or link-local address
-            uris = _hnp_addresses(value)
-            return bool(uris) and uris[0][0] == [root_address] and uris[0][1] == (root.hnp_port or uris[0][1]) and all(
-                a == root_address or ipaddress.ip_address(a).is_loopback or ipaddress.ip_address(a).is_link_local
-                for addrs, _port in uris[1:] for a in addrs)
+            # exactly the one URI mpirun listens on: partition 0's address and the port it held for
+            # mpirun (oob_tcp_if_include keeps mpirun to the plan's IPv4 networks: no other URI)
+            uris = _hnp_addresses(value) or []
+            return len(uris) == 1 and uris[0][0] == [root_address] and uris[0][1] == (root.hnp_port or uris[0][1])
         raise OrtedRefused("orted option -mca %s is not one this run's mpirun passes" % key)
 
     if argv[:1] != [ORTED]:
@@ -192,7 +190,7 @@ class ExecService:
         self.refused = 0
         self._refusals = wire.RefusalLog(lambda text: self._note("refused a connection: %s" % text))
         wire.serve(self._listener, self._keys, self._serve, "hvdrunner-exec-service", max_connections=8,
-                   max_pending=8, max_pending_per_source=2, on_reject=self._rejected)
+                   max_unproven=64, on_reject=self._rejected)
 
     def expect(self, plan: Plan, partition: int) -> None:
         """The plan is known: serve the one launch of this task's host, or close if there is none.

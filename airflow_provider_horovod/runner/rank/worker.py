@@ -99,7 +99,8 @@ class OutputPump:
         with self._lock:
             lines, self._pending = self._pending, []
         if lines and self.client is not None:
-            self.client.send(Logs(self.rank, lines, quiet=not self.stream))
+            for batch in Logs.batches(self.rank, lines, quiet=not self.stream):
+                self.client.send(batch)
 
     def close(self) -> None:
         """Send everything printed so far (bounded wait). What the interpreter prints while it

@@ -71,15 +71,18 @@ class RunSpec:
 
 def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
     """The environment of every process this host starts for the run (values never reach a shell).
-    It holds no key: ranks and the rsh agent read theirs from a private file (``hand_over_key``),
-    and none of the task's secrets (``names.is_secret_env``); the user's ``env=`` is passed as given.
+    It holds no key: ranks and the rsh agent read theirs from a private file (``hand_over_key``).
+    Of the task's own environment only what ``names.passes_to_ranks`` allows reaches it (PATH,
+    locale, CUDA_*, NCCL_*, what the frameworks read; never a name that holds a secret); the
+    user's ``env=`` is passed as given.
 
     The launcher adds its own (``host_env``: under mpirun, what ``horovodrun --mpi`` sets and
     Horovod's stall check; an orted passes its environment to its ranks); the user's ``env=`` may
     still set any of it otherwise. A rank's own contract comes from its launcher's ``slot_env``.
     """
+    passed = os.environ.get(names.ENV_PASS, "")
     env = {k: v for k, v in os.environ.items()
-           if k not in names.HOROVOD_RANK_CONTRACT and not names.is_secret_env(k)}
+           if k not in names.HOROVOD_RANK_CONTRACT and names.passes_to_ranks(k, passed)}
     env.update(launcher_of(spec.launcher).host_env(spec))
     env.update(spec.env)
     # Keras 2 (tf-keras) for horovod.tensorflow.keras; TensorFlow reads it at its first import

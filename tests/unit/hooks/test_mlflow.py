@@ -31,3 +31,46 @@ def test_a_connection_without_a_host_is_a_warning_not_an_error(monkeypatch, capl
     with caplog.at_level(logging.WARNING):
         assert MlflowTrackingHook("mlflow_empty").start_run(experiment="e", tags={}, params={}) is None
     assert "has no host: set it to the tracking URI" in caplog.text
+
+
+def test_the_credentials_reach_the_server_and_leave_no_trace_in_the_tasks_environment(monkeypatch):
+    """Issue 40, T4-12: MLflow's client reads them from os.environ on each request; they are there
+    only during our calls, so nothing started later (an np < 0 rank) and nothing after the run sees them."""
+    import base64
+    import os
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from airflow_provider_horovod.hooks.mlflow import CREDENTIAL_ENV
+
+    pytest.importorskip("mlflow")
+    seen = []
+
+    class Refusing(BaseHTTPRequestHandler):  # records what MLflow's client sent, then refuses (400)
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            body = json.dumps({"error_code": "INVALID_PARAMETER_VALUE", "message": "refused"}).encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for name in CREDENTIAL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AIRFLOW_CONN_MLFLOW_AUTH", json.dumps({
+        "conn_type": "http", "host": "http://127.0.0.1:%d" % server.server_port, "login": "ana", "password": "pw",
+        "extra": {"insecure_tls": "true"}}))
+    try:
+        assert MlflowTrackingHook("mlflow_auth").start_run(experiment="e", tags={}, params={}) is None
+    finally:
+        server.shutdown()
+    assert seen and seen[0] == "Basic " + base64.b64encode(b"ana:pw").decode()  # used while our call ran
+    assert [name for name in CREDENTIAL_ENV if name in os.environ] == []  # the review: left in os.environ

@@ -10,7 +10,7 @@ from airflow_provider_horovod import runtime
 from airflow_provider_horovod.runner import messages
 from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.messages import ProtocolError, TransferError, decode
-from airflow_provider_horovod.runner.messages import Report
+from airflow_provider_horovod.runner.messages import LOG_LINE_CHARS, LOGS_FRAME_BYTES, Logs, Report
 from airflow_provider_horovod.runner.plan import TaskFacts, make_plan
 from airflow_provider_horovod.runner.rank.reports import Reporter
 
@@ -210,3 +210,13 @@ def test_the_channel_passes_on_rank_0s_reports_only_and_hangs_up_on_a_malformed_
         for client in clients.values():
             client.close()
         channel.close()
+
+
+def test_a_ranks_output_travels_in_frames_the_driver_accepts_however_long_its_lines():
+    lines = ["short", "\u00e9\U0001f600" * 40000, "x" * 300000, ""] + ["line %d" % i for i in range(20000)]
+    batches = Logs.batches(3, lines, quiet=True)
+    assert all(len(json.dumps(b.to_json())) <= LOGS_FRAME_BYTES + 100 for b in batches) and len(batches) >= 3
+    assert all(b.rank == 3 and b.quiet and not b.callback for b in batches)
+    sent = [line for b in batches for line in b.lines]
+    assert max(map(len, sent)) == LOG_LINE_CHARS and "".join(sent) == "".join(lines)
+    assert sent[0] == "short" and sent[-1] == "line 19999" and "" in sent

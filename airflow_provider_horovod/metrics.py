@@ -1,7 +1,7 @@
 """What the driver does with rank 0's reports (``runtime.report``): the try's ``metrics.jsonl``,
 committed to the store every few seconds, a progress line in the task log at most every
 ``progress_interval`` seconds, and whatever else listens (MLflow). Memory stays flat: the file is
-on disk, and only the first and the newest report are held."""
+on disk, and only the first and the newest report are held; the file stays within ``MAX_BYTES``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ from airflow_provider_horovod.runner.options import DEFAULT_PROGRESS_INTERVAL_S
 from airflow_provider_horovod.runner.records import MetricsRow
 
 COMMIT_INTERVAL_S = 5.0  # how often metrics.jsonl is committed to the store while the try runs
+# The try's metrics history on the driver's disk (and in the store): rank 0's reports reach the
+# recorder at most twice a second (the channel's ReportGate), a row is at most ~8 KiB (64 metrics),
+# so a day of reports fits; beyond it the rows are thinned evenly, never cut off at the end.
+MAX_BYTES = 16 << 20
 
 
 def check_progress_interval(value: Any) -> float:
@@ -92,13 +96,17 @@ class MetricsRecorder:
         self._logged: Report | None = None
         self._last_line = self._last_commit = float("-inf")
         self._committed_size = 0
+        self._size = 0  # of the local file
+        self._stride, self._seen = 1, 0  # every stride-th report is kept: 1 until the file reaches MAX_BYTES
+        self._written: Report | None = None
 
     def __call__(self, report: Report) -> None:
         with self._lock:
             self.first = self.first or report
             self.newest = report
-            with self.local.open("a") as out:
-                out.write(MetricsRow.of(report).to_line() + "\n")
+            self._seen += 1
+            if (self._seen - 1) % self._stride == 0:
+                self._write(report)
             now = self._clock()
             if now - self._last_line >= self._interval:
                 self._last_line = now
@@ -109,9 +117,31 @@ class MetricsRecorder:
         for listener in self._listeners:
             listener(report)
 
+    def _write(self, report: Report) -> None:
+        line = MetricsRow.of(report).to_line() + "\n"
+        with self.local.open("a") as out:
+            out.write(line)
+        self._written, self._size = report, self._size + len(line.encode())
+        if self._size > MAX_BYTES:
+            self._thin()
+
+    def _thin(self) -> None:
+        """Keep every other row and from now on every other report: the history stays within
+        ``MAX_BYTES``, spread evenly over the whole try (``close`` writes the newest report)."""
+        kept = self.local.read_bytes().splitlines(keepends=True)[::2]
+        tmp = self.local.with_name(self.local.name + ".tmp")
+        tmp.write_bytes(b"".join(kept))
+        tmp.replace(self.local)
+        self._size, self._stride = sum(len(line) for line in kept), self._stride * 2
+        self._log.info("metrics.jsonl reached %d bytes: every other row kept, from now on one report in %d",
+                       MAX_BYTES, self._stride)
+
     def close(self) -> dict[str, Any]:
-        """The try ended: the last progress line and commit, if the last report missed them; the final values."""
+        """The try ended: the newest report written, the last progress line and commit, if they
+        missed it; the final values."""
         with self._lock:
+            if self.newest is not None and self._written is not self.newest:
+                self._write(self.newest)
             if self.newest is not None and self._logged is not self.newest:
                 self._progress()
             if self.local.exists() and self.local.stat().st_size != self._committed_size:

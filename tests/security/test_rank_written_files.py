@@ -43,6 +43,23 @@ def test_the_recorder_closes_whatever_reports_reached_it(tmp_path, caplog):
     assert recorder.close()["loss"] == 0.5
 
 
+def test_the_metrics_history_stays_within_its_bound_spread_over_the_whole_try(tmp_path, monkeypatch):
+    """T4-3's store half: however long rank 0 reports, metrics.jsonl stays within MAX_BYTES."""
+    import airflow_provider_horovod.metrics as metrics
+
+    monkeypatch.setattr(metrics, "MAX_BYTES", 8192)
+    local = tmp_path / "metrics.jsonl"
+    recorder = MetricsRecorder(local, commit=lambda path: None, log=__import__("logging").getLogger("test"))
+    for step in range(20000):
+        recorder(Report(time=float(step), step=step, metrics={"loss": 1.0 / (step + 1)}))
+    recorder.close()
+    rows = [json.loads(line) for line in local.read_text().splitlines()]
+    assert local.stat().st_size <= 8192 + 200
+    assert rows[0]["step"] == 0 and rows[-1]["step"] == 19999 and len(rows) > 40
+    gaps = {b["step"] - a["step"] for a, b in zip(rows[:-2], rows[1:-1])}
+    assert len(gaps) <= 2  # evenly thinned (the stride doubled as the file filled), not cut off
+
+
 # -- T4-7: a version's marker is the runner's, never a user's file --------------------------------------
 def test_a_checkpoint_file_named_like_the_version_marker_is_refused_and_said(tmp_path):
     sink = VersionSink(tmp_path, keep=5, limits=Limits())

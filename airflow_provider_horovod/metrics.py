@@ -18,8 +18,9 @@ from airflow_provider_horovod.runner.records import MetricsRow
 
 COMMIT_INTERVAL_S = 5.0  # how often metrics.jsonl is committed to the store while the try runs
 # The try's metrics history on the driver's disk (and in the store): rank 0's reports reach the
-# recorder at most twice a second (the channel's ReportGate), a row is at most ~8 KiB (64 metrics),
-# so a day of reports fits; beyond it the rows are thinned evenly, never cut off at the end.
+# recorder at most twice a second (the channel's ReportGate); a row of a few metrics is ~200 bytes
+# (at most ~8 KiB: 64 metrics), so ~12 hours of reports fit; beyond that the rows are thinned
+# evenly, never cut off at the end.
 MAX_BYTES = 16 << 20
 
 

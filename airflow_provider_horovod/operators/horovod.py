@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import Asset, BaseOperator
 from airflow.sdk.definitions._internal.mixins import ResolveMixin
 
-from airflow_provider_horovod import store
+from airflow_provider_horovod import retry, store
+from airflow_provider_horovod.exceptions import HorovodRunError
 from airflow_provider_horovod.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsRecorder, check_progress_interval
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.runner.transfer import Limits
@@ -100,6 +101,10 @@ class HorovodRunnerOperator(BaseOperator):
         newest checkpoint and the timeline; an unreachable server is a warning. (templated)
     :param progress_interval: seconds between two ``Horovod progress:`` lines in the task log (from
         rank 0's ``runtime.report``); defaults to ``[horovod] progress_interval`` (30).
+    :param retry_policy: Airflow's retry policy (AIP-105); by default a ``HorovodRetryPolicy``, which
+        fails at once when no retry can help (the training function raised, a payload, dataset or
+        environment error) and retries too few slots or a lost host; ``None``: Airflow's own rule
+        (every failure retried ``retries`` times).
     """
 
     template_fields: Sequence[str] = (
@@ -143,6 +148,8 @@ class HorovodRunnerOperator(BaseOperator):
         mlflow_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if "retry_policy" not in kwargs and "retry_policy" not in (kwargs.get("default_args") or {}):
+            kwargs["retry_policy"] = retry.HorovodRetryPolicy()  # the task's own, even None, stays
         super().__init__(**kwargs)
         # not templated: checked when the DAG is parsed, as the engine would check them
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
@@ -194,7 +201,8 @@ class HorovodRunnerOperator(BaseOperator):
             metrics, status = recorder.close(), try_status(report, error)
             if tracking is not None:
                 tracking.finish(status.value, {"checkpoint": report.checkpoint_path, "timeline": report.timeline_path})
-            xcom = self._store(folder, local, result, report, status, context["ti"].try_number, error, source)
+            failure = self._explain_failure(error, report)
+            xcom = self._store(folder, local, result, report, status, context["ti"].try_number, failure, source)
             xcom["metrics"] = metrics
         self._record_final_checkpoint(folder, context)
         self._push_metadata(context, xcom)
@@ -301,7 +309,7 @@ class HorovodRunnerOperator(BaseOperator):
     def _train(self, np: int, local_dir: str, resume_from: str | None,
                on_checkpoint: Callable[[Any, Any], None],
                on_report: Callable[[Any], None]) -> tuple[Any, RunReport, BaseException | None]:
-        from airflow_provider_horovod import ArtifactError, HorovodRunError
+        from airflow_provider_horovod import ArtifactError
 
         try:
             result, report = self.hook.run(
@@ -323,13 +331,27 @@ class HorovodRunnerOperator(BaseOperator):
             if resume_from:
                 shutil.rmtree(resume_from, ignore_errors=True)
 
+    def _explain_failure(self, error: BaseException | None, report: RunReport) -> dict[str, Any] | None:
+        """The failure the try's marker keeps (``None``: the try succeeded), with what the retry
+        policy makes of it (``retry``), also logged; a ``HorovodRunError`` carries the engine's report
+        (``failure``) to the policy."""
+        if error is None:
+            return None
+        record = failure_record(error, report)
+        if isinstance(error, HorovodRunError) and error.failure is None:
+            error.failure = dict(record)
+        if isinstance(self.retry_policy, retry.HorovodRetryPolicy):
+            record["retry"] = retry.judge(error).text(self.retry_policy)
+            self.log.error("%s", record["retry"])
+        return record
+
     def _store(self, folder: ObjectStoragePath, local: str, result: Any, report: RunReport, status: store.TryStatus,
-               try_number: int, error: BaseException | None, resumed_from: store.Checkpoint | None) -> dict[str, Any]:
+               try_number: int, failure: dict[str, Any] | None, resumed_from: store.Checkpoint | None) -> dict[str, Any]:
         import cloudpickle
 
         xcom_result: Any = None
         extra_files: dict[str, bytes] = {}
-        if error is None:
+        if failure is None:
             if _is_json(result):
                 xcom_result = result
             else:  # stored beside the artifacts, never written into the engine's committed folder
@@ -342,7 +364,7 @@ class HorovodRunnerOperator(BaseOperator):
             resumed_from=str(resumed_from.path) if resumed_from is not None else None,
             resumed_from_try=resumed_from.try_number if resumed_from is not None else None,
             resumed_from_step=resumed_from.step if resumed_from is not None else None,
-            error=failure_record(error, report) if error is not None else None,
+            error=failure,
         )
         committed = store.store_try(local, folder, marker, extra_files=extra_files)
         newest = store.newest_checkpoint(folder)
@@ -453,7 +475,7 @@ def failure_record(error: BaseException, report: RunReport) -> dict[str, Any]:
     """The failure a try's marker keeps for the Horovod view, one record (``events.Failure``) as
     JSON: the engine's report, else one made from the exception."""
     if report.error and report.error.get("message"):
-        return report.error
+        return dict(report.error)
     first_line = str(error).split("\n", 1)[0]
     return Failure(
         message=first_line, exception="%s: %s" % (type(error).__name__, first_line),

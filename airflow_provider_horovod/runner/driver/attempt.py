@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from airflow_provider_horovod.exceptions import HorovodRunError, InsufficientSlotsError, RunCancelledError, rank_error
+from airflow_provider_horovod.exceptions import (
+    ClusterSettingsError,
+    ExecutorMismatchError,
+    HorovodRunError,
+    InsufficientSlotsError,
+    RunCancelledError,
+    rank_error,
+)
 from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.dataset import DatasetSpec, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
@@ -289,7 +296,7 @@ class Attempt:
             return default
 
         if conf("spark.dynamicAllocation.enabled", "false").lower() == "true":
-            raise HorovodRunError(
+            raise ClusterSettingsError(
                 "Spark dynamic allocation is enabled, and barrier stages cannot run with it. Set "
                 "spark.dynamicAllocation.enabled=false for this session (or its connection's extras)."
             )
@@ -366,14 +373,14 @@ class Attempt:
         if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
             found = re.search(r"different version \(?([\d, .]+)\)? than that in driver ([\d.]+)", text)
             executor = found.group(1).replace(", ", ".").strip() if found else "another version"
-            return HorovodRunError(
+            return ExecutorMismatchError(
                 "Python %s on the executors differs from the driver's %s. Point PYSPARK_PYTHON (or "
                 "spark.pyspark.python) at the same Python version on the driver and the executors."
                 % (executor, platform.python_version())
             )
         missing = executors.missing_module_text(text, self.workers_python, executors.needed_modules(self.runner.launcher.runs_horovod))
         if missing is not None:
-            return HorovodRunError(missing)
+            return ExecutorMismatchError(missing)
         return HorovodRunError("The Spark job running the Horovod ranks failed:\n%s" % quoted_text(str(err).strip()[:4000]))
 
 

@@ -191,8 +191,11 @@ def rank_env(slot: Slot) -> dict[str, str]:
 
 
 def gpu_env(slot: Slot) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` is exactly the task's GPU addresses, when it has any."""
-    return {"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus)} if slot.gpus else {}
+    """``CUDA_VISIBLE_DEVICES`` is exactly the task's GPU addresses, when it has any (and
+    ``HVDRUNNER_GPUS`` says so to ``runtime.device()``: the rank's first device is ``cuda:0``)."""
+    if not slot.gpus:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus), names.ENV_GPUS: ",".join(slot.gpus)}
 
 
 def slot_summary(plan: Plan) -> list[dict[str, Any]]:

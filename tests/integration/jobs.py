@@ -15,10 +15,13 @@ def allreduce_job(tag: str = "x"):
     import horovod.torch as hvd
     import torch
 
+    from airflow_provider_horovod import runtime
+
     hvd.init()
     total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
     seen = hvd.allgather_object(
         {
+            "device": runtime.device(),
             "rank": hvd.rank(),
             "size": hvd.size(),
             "local_rank": hvd.local_rank(),

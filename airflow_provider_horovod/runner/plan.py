@@ -36,6 +36,9 @@ class TaskFacts:
     missing: tuple[str, ...] = ()  # programs the launcher needs that are not on PATH here
     provider: str = ""  # this package's installed version on the executor (``environment``)
     horovod: str = ""  # the executor's Horovod build, one line (``environment.HorovodBuild.describe``)
+    machine: str = ""  # the container's own host name, for messages only: names can repeat, executors cannot
+    shm_size: int = -1  # bytes of /dev/shm on this host (``readiness``); -1: none, or not reported
+    shm_free: int = -1
 
     @property
     def stack(self) -> dict[str, str]:

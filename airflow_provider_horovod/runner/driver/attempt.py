@@ -54,6 +54,7 @@ from airflow_provider_horovod.runner.driver.supervisor import (
 from airflow_provider_horovod.runner.environment import stack_of_this_host
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
+from airflow_provider_horovod.runner.readiness import shm_warnings
 from airflow_provider_horovod.runner.stall import stall_in
 from airflow_provider_horovod.runner.task.barrier import (
     ERROR_MARKER,
@@ -91,10 +92,13 @@ def _in_thread(name: str, work: Callable[[], Any], events: queue.Queue) -> threa
 
 
 def checked_plan(driver_python: str, driver_stack: dict[str, str], facts: list[TaskFacts]) -> Plan:
-    """The driver's planner: the plan of ``facts``, or ``PlanError`` when ``check_facts`` refuses them."""
+    """The driver's planner: the plan of ``facts``, or ``PlanError`` when ``check_facts`` refuses them;
+    a host that is short of something its ranks may need is a warning in the log (``readiness``)."""
     failure = check_facts(driver_python, facts, driver_stack)
     if failure is not None:
         raise PlanError(failure)
+    for warning in shm_warnings(facts):
+        log.warning("%s", warning)
     return make_plan(facts)
 
 

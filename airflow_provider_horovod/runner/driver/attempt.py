@@ -315,10 +315,15 @@ class Attempt:
         return None
 
     def _wait_for_slots(self, spark: Any) -> None:
+        """Until the cluster has ``np`` barrier slots (executors that register late, slots other jobs
+        hold), within ``start_timeout``; the log says what it waits for and how long it took."""
         self.slots = self._available_slots(spark)
-        if self.slots is None:
+        if self.slots is None or self.slots >= self.runner.np:
             return
-        deadline = time.monotonic() + self.runner.start_timeout
+        log.info("Waiting up to start_timeout=%gs for %d barrier slots: the cluster has %d now (executors still "
+                 "registering, or slots other jobs hold)", self.runner.start_timeout, self.runner.np, self.slots)
+        started = time.monotonic()
+        deadline = started + self.runner.start_timeout
         while self.slots < self.runner.np:
             if time.monotonic() > deadline or self.runner._cancelled.is_set():
                 raise InsufficientSlotsError(
@@ -329,6 +334,7 @@ class Attempt:
                 )
             time.sleep(0.5)
             self.slots = self._available_slots(spark) or 0
+        log.info("The cluster has %d barrier slots after waiting %.1f s for them", self.slots, time.monotonic() - started)
 
     def _slots_text(self) -> str:
         return "%d slots available" % self.slots if self.slots is not None else "an unknown number of slots"

@@ -17,8 +17,10 @@ and tf-keras, and a Horovod built with TensorFlow). ``tf.keras`` here is Keras 2
 runner sets ``TF_USE_LEGACY_KERAS=1`` for every rank. Keras 3 (``import keras``) is refused with an
 error, because Horovod trains it silently wrong (see docs/how-to.md).
 
-To watch a retry resume, trigger the DAG with ``{"fail_first_try_after_epoch": 3}``: the first try
-fails once its epoch-3 checkpoint is saved, the retry loads it and trains on to ``epochs``.
+To watch a retry resume, trigger the DAG with ``{"fail_first_try_after_epoch": 3}``: the first try's
+ranks are killed once its epoch-3 checkpoint is saved, as a lost machine's would be;
+``HorovodRetryPolicy`` retries that (an exception of the training function it would not retry: the
+next try would raise it again), and the retry loads the checkpoint and trains on to ``epochs``.
 
 ``evaluate`` gets ``train``'s return value and the checkpoint's URI (the ``horovod_checkpoint_uri``
 XCom of the same task), loads the checkpoint with tf-keras and fails below 90 % held-out accuracy.
@@ -29,10 +31,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 
 import pendulum
 
 from airflow.sdk import dag, task
+
+from airflow_provider_horovod.retry import HorovodRetryPolicy
 
 CHECKPOINT_FILE = "model.h5"
 MIN_ACCURACY = 0.90
@@ -100,7 +105,8 @@ def train_keras_digits(epochs: int = 8, batch_size: int = 32, base_lr: float = 0
                            acc=float(logs["accuracy"]))
             if resume is None and done == fail_first_try_after_epoch:
                 hvd.allreduce(tf.constant(0.0), name="checkpoint_saved")  # rank 0 has saved: all fail together
-                raise RuntimeError("fail_first_try_after_epoch=%d: this try fails on purpose" % done)
+                print("fail_first_try_after_epoch=%d: this try's ranks are killed on purpose" % done, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost machine would
 
     callbacks = [
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
@@ -159,12 +165,12 @@ def held_out_accuracy(checkpoint_uri: str) -> float:
     start_date=pendulum.datetime(2025, 1, 1, tz="UTC"),
     catchup=False,
     tags=["example", "horovod", "keras"],
-    # a lost executor is worth retrying soon: the retry resumes from the last checkpoint
-    default_args={"retries": 1, "retry_delay": datetime.timedelta(seconds=5)},
+    default_args={"retries": 1},
     params={"epochs": 8, "fail_first_try_after_epoch": 0},
 )
 def horovod_keras_digits():
-    @task.horovod(np=2)
+    # a lost executor or rank is worth retrying soon: the retry resumes from the last checkpoint
+    @task.horovod(np=2, retry_policy=HorovodRetryPolicy(lost_delay=datetime.timedelta(seconds=5)))
     def train(epochs: str, fail_first_try_after_epoch: str):
         return train_keras_digits(epochs=int(epochs), fail_first_try_after_epoch=int(fail_first_try_after_epoch))
 

@@ -155,7 +155,8 @@ def test_keras_digits_example_retries_from_its_checkpoint_and_reaches_the_accura
     with h5py.File(checkpoint / "model.h5", "r") as saved:
         assert saved.attrs["epoch"] == 8
     output = proc.stdout + proc.stderr
-    assert "fail_first_try_after_epoch=3: this try fails on purpose" in output
+    assert "fail_first_try_after_epoch=3: this try's ranks are killed on purpose" in output
+    assert "Retried after 5 s if retries are left (lost infrastructure): " in output  # the example's policy
     assert "rank 0 resumes after epoch 3" in output and "rank 1 resumes after epoch 3" in output
     assert "epoch 4: loss" in output and "epoch 8: loss" in output
     assert airflow.xcom("horovod_keras_digits", "evaluate")["accuracy"] >= 0.90

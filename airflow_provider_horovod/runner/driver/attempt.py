@@ -418,5 +418,7 @@ def run_error(failure: Failure, tails: dict[int, list[str]], others: list[Failur
     for other in others:  # what the other hosts' daemons said, when they said anything
         if other is not cause and other.rank is None and other.launcher_output:
             message += "\n%s" % quoted(other.launcher_output[-20:])
-    return rank_error(failure.error_class, message, rank=failure.rank, host=failure.host,
-                      remote_traceback=failure.traceback or None, log_tail=tails)
+    err = rank_error(failure.error_class, message, rank=failure.rank, host=failure.host,
+                     remote_traceback=failure.traceback or None, log_tail=tails)
+    err.failure = failure.to_json()  # what HorovodRetryPolicy reads
+    return err

@@ -287,11 +287,11 @@ def check_facts(driver_python: str, facts: list[TaskFacts], driver_stack: dict[s
         if ".".join(f.python.split(".")[:2]) != driver_mm:
             return Failure("Python %s on executor %s differs from the driver's %s. Point PYSPARK_PYTHON at the "
                            "same Python version on the driver and the executors." % (f.python, f.executor, driver_python),
-                           executor=f.executor)
+                           executor=f.executor, error_class=ExecutorMismatchError.__name__)
         if f.missing:
             return Failure("%s not found on executor %s (PATH of the task). Install Open MPI on every executor "
                            "(apt-get install openmpi-bin), or use launcher='gloo'." % (" and ".join(f.missing), f.executor),
-                           executor=f.executor)
+                           executor=f.executor, error_class=ExecutorMismatchError.__name__)
     refusal = shm_refusal(facts)
     return Failure(refusal) if refusal is not None else None
 

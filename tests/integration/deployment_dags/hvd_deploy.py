@@ -75,7 +75,8 @@ def hvd_deploy_crash():
     """Try 1 raises after its checkpoint; try 2 resumes, checkpoints and waits for the test to SIGKILL
     its task process; try 3 resumes from the newest committed checkpoint, the killed try 2's version."""
 
-    @task.horovod(np=2, retries=2, retry_delay=datetime.timedelta(seconds=0))
+    # retry_policy=None: Airflow's own rule, which retries the function's planned exception
+    @task.horovod(np=2, retries=2, retry_delay=datetime.timedelta(seconds=0), retry_policy=None)
     def crash(try_number: str):
         import horovod.torch as hvd
         import torch

@@ -9,8 +9,9 @@ The training function follows Horovod's Keras migration steps, unchanged from a 
 5. ``BroadcastGlobalVariablesCallback(0)``: every rank starts from rank 0's weights;
 6. ``MetricAverageCallback``: the epoch's metrics are the mean over ranks;
 7. checkpoint on rank 0 only, each epoch, into ``runtime.checkpoint_dir()``;
-8. resume with ``hvd.load_model`` when ``runtime.resume_dir()`` holds a checkpoint (a retry, or a
-   clear in the UI): the model, its optimizer state and the epoch come back.
+8. resume with ``hvd.load_model`` when ``runtime.resume_dir()`` holds a checkpoint (a retry; a
+   clear in the UI starts from scratch unless the task says ``resume_on_clear=True``): the model, its
+   optimizer state and the epoch come back.
 
 It needs the ``tensorflow`` extra (``pip install airflow-provider-horovod[tensorflow]``: TensorFlow
 and tf-keras, and a Horovod built with TensorFlow). ``tf.keras`` here is Keras 2 from tf-keras: the

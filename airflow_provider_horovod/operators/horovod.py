@@ -78,6 +78,10 @@ class HorovodRunnerOperator(BaseOperator):
     :param resume: ``"auto"`` (default): on a retry, resume from the newest committed checkpoint
         of this task instance's earlier tries; ``"never"``; or the URI of a checkpoint (a try
         folder or a checkpoints folder). (templated)
+    :param resume_on_clear: with ``resume="auto"``, whether the first try after a Clear resumes
+        from the earlier tries' checkpoints. ``False`` (default): a Clear starts from scratch, as
+        Airflow means it (3.4 empties the task's state store on Clear); retries after it resume
+        from what the tries since the Clear committed. ``True``: a Clear resumes, as a retry does.
     :param start_timeout: seconds to wait for enough free barrier slots and for every barrier task
         to start (120 by default). On a cluster shared with other jobs, a task that finds the slots
         taken waits this long before it fails with ``InsufficientSlotsError``.
@@ -138,6 +142,7 @@ class HorovodRunnerOperator(BaseOperator):
         spark_conf: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         resume: str = RESUME_AUTO,
+        resume_on_clear: bool = False,
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
         max_artifact_bytes: int = Limits.max_bytes,
@@ -171,6 +176,9 @@ class HorovodRunnerOperator(BaseOperator):
         self.spark_conf = spark_conf or {}
         self.env = env or {}
         self.resume = resume
+        if not isinstance(resume_on_clear, bool):
+            raise ValueError("resume_on_clear must be True or False; got %r" % (resume_on_clear,))
+        self.resume_on_clear = resume_on_clear
         self.start_timeout = start_timeout
         self.stall_timeout = stall_timeout
         self.max_artifact_bytes = max_artifact_bytes
@@ -230,11 +238,14 @@ class HorovodRunnerOperator(BaseOperator):
         if self.resume in (None, "", RESUME_NEVER):
             return None, None
         if self.resume == RESUME_AUTO:
-            source = None
-            if try_number > 1:
-                source = store.recorded_checkpoint(_state_store(context)) or store.latest_checkpoint(folder, try_number)
+            source, since = None, self._resume_since(context)
+            if try_number > since:
+                recorded = store.recorded_checkpoint(_state_store(context))
+                if recorded is not None and (recorded.try_number or 0) < since:
+                    recorded = None  # made before the Clear (Airflow 3.3 keeps the state store on Clear)
+                source = recorded or store.latest_checkpoint(folder, try_number, since)
             if source is None:
-                if try_number > 1:
+                if try_number > since:
                     self.log.info("No committed checkpoint in earlier tries: starting from scratch.")
                 return None, None
         else:
@@ -242,6 +253,17 @@ class HorovodRunnerOperator(BaseOperator):
             source = store.Checkpoint(store.checkpoint_at(str(self.resume), roots=roots), None)
         self.log.info("Resuming from checkpoint %s", source.describe())
         return source, self.hook.download(source.path)
+
+    def _resume_since(self, context: Context) -> int:
+        """The earliest try whose checkpoints this try may resume from: 1, or with
+        ``resume_on_clear=False`` the first try since the task instance was last cleared."""
+        first = first_try_since_clear(context["ti"], self.retries)
+        if first > 1 and not self.resume_on_clear:
+            if context["ti"].try_number == first:
+                self.log.info("Try %d follows a Clear of the task: starting from scratch (resume_on_clear=False). "
+                              "Set resume_on_clear=True to resume from the earlier tries' checkpoints.", first)
+            return first
+        return 1
 
     def _version_sink(self, folder: ObjectStoragePath, context: Context) -> Callable[[Any, Any], None]:
         """What the engine calls with each checkpoint version it committed: into the store at
@@ -419,6 +441,18 @@ def _state_store(context: Context) -> Any:
     """Airflow 3.3's ``task_state_store`` of this task instance, where this Airflow has one."""
     state = context.get("task_state_store")
     return state if callable(getattr(state, "get", None)) and callable(getattr(state, "set", None)) else None
+
+
+def first_try_since_clear(ti: Any, retries: int | None) -> int:
+    """The first try number since the task instance was created or last cleared. A Clear sets
+    ``max_tries`` to the try number so far plus ``retries`` (Airflow's ``clear_task_instances``), so
+    the first try of the current round is ``max_tries - retries + 1``, as Airflow's own
+    ``get_first_reschedule_date`` computes it. 1 when ``max_tries`` is not known."""
+    max_tries, try_number = getattr(ti, "max_tries", None), getattr(ti, "try_number", 1)
+    if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 0:
+        return 1
+    first = max_tries - (retries or 0) + 1
+    return first if 1 <= first <= try_number else 1
 
 
 def validate_np(np: Any) -> int:

@@ -72,7 +72,7 @@ def hosts_of(plan: list[dict]) -> list[str]:
     return [slot["address"] for slot in plan]
 
 
-def test_each_bed_host_has_its_own_address_interface_name_host_name_and_files(netbed, tmp_path):
+def test_each_bed_host_has_its_own_address_interface_files_and_dev_shm_under_one_shared_host_name(netbed, tmp_path):
     driver_file = tmp_path / "only-on-the-driver"
     driver_file.write_text("x")
     names = set()

@@ -257,8 +257,9 @@ def durable_job(steps: int = 4, pause: float = 0.5, explicit: bool = False, mark
 
 
 def host_versions_job(steps: int = 100000, pause: float = 0.5, weights_kb: int = 256):
-    """Rank 0 commits one version a step with ``runtime.commit_checkpoint`` (``step.txt``, and
-    ``weights.bin``: ``weights_kb`` KiB of the step's byte, ``host.txt``: its host's address), then trains on for ``pause`` s; resumes after the step in ``resume_dir()``."""
+    """Rank 0 commits one version a step with ``runtime.commit_checkpoint`` (``step.txt``;
+    ``weights.bin``: ``weights_kb`` KiB of the step's byte; ``host.txt``: its host's address, as names
+    repeat), then trains on for ``pause`` s; resumes after the step in ``resume_dir()``."""
     import horovod.torch as hvd
     import psutil
     import torch

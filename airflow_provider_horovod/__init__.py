@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from airflow_provider_horovod.exceptions import (
     ArtifactError,
+    ClusterSettingsError,
     DatasetError,
     ExecutorMismatchError,
     HorovodRunError,
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactError",
+    "ClusterSettingsError",
     "DatasetError",
     "ExecutorMismatchError",
     "HorovodRunError",

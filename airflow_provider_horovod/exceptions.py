@@ -15,7 +15,12 @@ class HorovodRunError(RuntimeError):
     :param host: the host identity of that rank, when known.
     :param remote_traceback: the failing rank's traceback text, when known.
     :param log_tail: the last lines each rank printed, by rank.
+
+    ``failure`` is the engine's failure report (``runner.events.Failure`` as JSON) when the run got
+    as far as making one; ``HorovodRetryPolicy`` reads it.
     """
+
+    failure: dict | None = None
 
     def __init__(
         self,
@@ -53,6 +58,11 @@ class TrainingStackError(HorovodRunError):
 class ExecutorMismatchError(HorovodRunError):
     """An executor's environment differs from the driver's (this provider's version, the Horovod
     build). Raised before any rank starts; the message names the host and what differs."""
+
+
+class ClusterSettingsError(HorovodRunError):
+    """The Spark session's settings cannot run a barrier stage (``spark.dynamicAllocation.enabled``,
+    ...). Raised before the job starts; the message names the setting and its fix."""
 
 
 class PayloadError(ValueError):

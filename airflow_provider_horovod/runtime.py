@@ -63,6 +63,44 @@ def hostname() -> str:
     return os.environ.get(names.ENV_HOSTNAME) or os.environ.get("HOROVOD_HOSTNAME", "localhost")
 
 
+def device(framework: str = "torch") -> str:
+    """This rank's device, as ``framework`` names it: ``"cuda:0"`` (TensorFlow: ``"/GPU:0"``) when
+    Spark gave the rank's task GPUs, whatever their addresses on the machine; else, when this
+    process sees GPUs Spark does not manage (``np < 0`` on a GPU machine, a cluster without
+    ``spark.task.resource.gpu.amount``), the one its local rank maps to (``cuda:<local_rank %
+    count>``, Horovod's recipe); else ``"cpu"`` (``"/CPU:0"``).
+
+    Spark sets ``CUDA_VISIBLE_DEVICES`` to the task's own GPUs, so inside the rank they are numbered
+    from 0: ``torch.cuda.set_device(hvd.local_rank())`` asks for a device the rank cannot see as
+    soon as two tasks share a machine (``invalid device ordinal``). Use
+    ``torch.cuda.set_device(runtime.device())`` or ``model.to(runtime.device())`` instead.
+    """
+    if framework not in ("torch", "tensorflow"):
+        raise ValueError("framework must be 'torch' or 'tensorflow'; got %r" % (framework,))
+    if os.environ.get(names.ENV_GPUS):
+        index: int | None = 0
+    else:
+        count = _visible_gpus(framework)
+        index = local_rank() % count if count else None
+    if framework == "tensorflow":
+        return "/CPU:0" if index is None else "/GPU:%d" % index
+    return "cpu" if index is None else "cuda:%d" % index
+
+
+def _visible_gpus(framework: str) -> int:
+    """How many GPUs ``framework`` sees in this process (0 when it is not installed)."""
+    try:
+        if framework == "tensorflow":
+            import tensorflow as tf
+
+            return len(tf.config.list_physical_devices("GPU"))
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
 def in_runner() -> bool:
     return names.ENV_TASK_DIR in os.environ
 

@@ -287,9 +287,10 @@ def newest_checkpoint(folder: Any) -> Checkpoint | None:
     return None
 
 
-def latest_checkpoint(folder: Any, try_number: int) -> Checkpoint | None:
-    """The store scan: the newest checkpoint of the newest earlier try that has one."""
-    for n in range(try_number - 1, 0, -1):
+def latest_checkpoint(folder: Any, try_number: int, since: int = 1) -> Checkpoint | None:
+    """The store scan: the newest checkpoint of the newest earlier try that has one (tries
+    ``since`` and later only)."""
+    for n in range(try_number - 1, max(since, 1) - 1, -1):
         found = newest_checkpoint(folder.parent / ("try-%d" % n))
         if found is not None:
             return found

@@ -18,8 +18,9 @@ The training function is the classic Horovod recipe:
 ``spark_default`` connection that is an embedded ``local[2]`` Spark inside the task; define
 ``spark_default`` (type ``spark``, host ``spark://...``, ``yarn`` or ``k8s://...``) to use a
 cluster. The timeline and the checkpoints are stored under
-``[horovod] artifact_root/<dag_id>/<run_id>/<task_id>/try-<n>/``; a retry (or a clear in the UI)
-resumes from the newest checkpoint of the earlier tries.
+``[horovod] artifact_root/<dag_id>/<run_id>/<task_id>/try-<n>/``; a retry resumes from the newest
+checkpoint of the earlier tries, and so does a clear in the UI, because ``train`` says
+``resume_on_clear=True`` (by default a Clear starts from scratch, as Airflow means it).
 
 The DAG runs daily by itself. ``train`` returns the training function's value (as ``@task`` does);
 the try's metadata comes under its own XCom keys, so ``evaluate`` gets the stored checkpoint as
@@ -169,7 +170,8 @@ def horovod_digits_train():
     def write_digits(ds=None) -> str:
         return write_digits_day(DIGITS_TABLE, ds)
 
-    @task.horovod(np=2, launcher="mpirun", timeline=True, outlets=[DIGITS_MODEL], dataset=DAYS_ROWS)
+    @task.horovod(np=2, launcher="mpirun", timeline=True, outlets=[DIGITS_MODEL], dataset=DAYS_ROWS,
+                  resume_on_clear=True)  # a clear in the UI trains on from the newest checkpoint
     def train(epochs: int):
         return train_digits(epochs=epochs)
 

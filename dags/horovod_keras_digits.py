@@ -9,16 +9,19 @@ The training function follows Horovod's Keras migration steps, unchanged from a 
 5. ``BroadcastGlobalVariablesCallback(0)``: every rank starts from rank 0's weights;
 6. ``MetricAverageCallback``: the epoch's metrics are the mean over ranks;
 7. checkpoint on rank 0 only, each epoch, into ``runtime.checkpoint_dir()``;
-8. resume with ``hvd.load_model`` when ``runtime.resume_dir()`` holds a checkpoint (a retry, or a
-   clear in the UI): the model, its optimizer state and the epoch come back.
+8. resume with ``hvd.load_model`` when ``runtime.resume_dir()`` holds a checkpoint (a retry; a
+   clear in the UI starts from scratch unless the task says ``resume_on_clear=True``): the model, its
+   optimizer state and the epoch come back.
 
 It needs the ``tensorflow`` extra (``pip install airflow-provider-horovod[tensorflow]``: TensorFlow
 and tf-keras, and a Horovod built with TensorFlow). ``tf.keras`` here is Keras 2 from tf-keras: the
 runner sets ``TF_USE_LEGACY_KERAS=1`` for every rank. Keras 3 (``import keras``) is refused with an
 error, because Horovod trains it silently wrong (see docs/how-to.md).
 
-To watch a retry resume, trigger the DAG with ``{"fail_first_try_after_epoch": 3}``: the first try
-fails once its epoch-3 checkpoint is saved, the retry loads it and trains on to ``epochs``.
+To watch a retry resume, trigger the DAG with ``{"fail_first_try_after_epoch": 3}``: the first try's
+ranks are killed once its epoch-3 checkpoint is saved, as a lost machine's would be;
+``HorovodRetryPolicy`` retries that (an exception of the training function it would not retry: the
+next try would raise it again), and the retry loads the checkpoint and trains on to ``epochs``.
 
 ``evaluate`` gets ``train``'s return value and the checkpoint's URI (the ``horovod_checkpoint_uri``
 XCom of the same task), loads the checkpoint with tf-keras and fails below 90 % held-out accuracy.
@@ -29,10 +32,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 
 import pendulum
 
 from airflow.sdk import dag, task
+
+from airflow_provider_horovod.retry import HorovodRetryPolicy
 
 CHECKPOINT_FILE = "model.h5"
 MIN_ACCURACY = 0.90
@@ -100,7 +106,8 @@ def train_keras_digits(epochs: int = 8, batch_size: int = 32, base_lr: float = 0
                            acc=float(logs["accuracy"]))
             if resume is None and done == fail_first_try_after_epoch:
                 hvd.allreduce(tf.constant(0.0), name="checkpoint_saved")  # rank 0 has saved: all fail together
-                raise RuntimeError("fail_first_try_after_epoch=%d: this try fails on purpose" % done)
+                print("fail_first_try_after_epoch=%d: this try's ranks are killed on purpose" % done, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost machine would
 
     callbacks = [
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
@@ -159,12 +166,12 @@ def held_out_accuracy(checkpoint_uri: str) -> float:
     start_date=pendulum.datetime(2025, 1, 1, tz="UTC"),
     catchup=False,
     tags=["example", "horovod", "keras"],
-    # a lost executor is worth retrying soon: the retry resumes from the last checkpoint
-    default_args={"retries": 1, "retry_delay": datetime.timedelta(seconds=5)},
+    default_args={"retries": 1},
     params={"epochs": 8, "fail_first_try_after_epoch": 0},
 )
 def horovod_keras_digits():
-    @task.horovod(np=2)
+    # a lost executor or rank is worth retrying soon: the retry resumes from the last checkpoint
+    @task.horovod(np=2, retry_policy=HorovodRetryPolicy(lost_delay=datetime.timedelta(seconds=5)))
     def train(epochs: str, fail_first_try_after_epoch: str):
         return train_keras_digits(epochs=int(epochs), fail_first_try_after_epoch=int(fail_first_try_after_epoch))
 

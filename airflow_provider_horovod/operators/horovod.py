@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import Asset, BaseOperator
 from airflow.sdk.definitions._internal.mixins import ResolveMixin
 
-from airflow_provider_horovod import store
+from airflow_provider_horovod import retry, store
+from airflow_provider_horovod.exceptions import HorovodRunError
 from airflow_provider_horovod.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsRecorder, check_progress_interval
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.runner.transfer import Limits
@@ -77,6 +78,10 @@ class HorovodRunnerOperator(BaseOperator):
     :param resume: ``"auto"`` (default): on a retry, resume from the newest committed checkpoint
         of this task instance's earlier tries; ``"never"``; or the URI of a checkpoint (a try
         folder or a checkpoints folder). (templated)
+    :param resume_on_clear: with ``resume="auto"``, whether the first try after a Clear resumes
+        from the earlier tries' checkpoints. ``False`` (default): a Clear starts from scratch, as
+        Airflow means it (3.4 empties the task's state store on Clear); retries after it resume
+        from what the tries since the Clear committed. ``True``: a Clear resumes, as a retry does.
     :param start_timeout: seconds to wait for enough free barrier slots and for every barrier task
         to start (120 by default). On a cluster shared with other jobs, a task that finds the slots
         taken waits this long before it fails with ``InsufficientSlotsError``.
@@ -100,6 +105,10 @@ class HorovodRunnerOperator(BaseOperator):
         newest checkpoint and the timeline; an unreachable server is a warning. (templated)
     :param progress_interval: seconds between two ``Horovod progress:`` lines in the task log (from
         rank 0's ``runtime.report``); defaults to ``[horovod] progress_interval`` (30).
+    :param retry_policy: Airflow's retry policy (AIP-105); by default a ``HorovodRetryPolicy``, which
+        fails at once when no retry can help (the training function raised, a payload, dataset or
+        environment error) and retries too few slots or a lost host; ``None``: Airflow's own rule
+        (every failure retried ``retries`` times).
     """
 
     template_fields: Sequence[str] = (
@@ -133,6 +142,7 @@ class HorovodRunnerOperator(BaseOperator):
         spark_conf: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         resume: str = RESUME_AUTO,
+        resume_on_clear: bool = False,
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
         max_artifact_bytes: int = Limits.max_bytes,
@@ -143,6 +153,8 @@ class HorovodRunnerOperator(BaseOperator):
         mlflow_conn_id: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if "retry_policy" not in kwargs and "retry_policy" not in (kwargs.get("default_args") or {}):
+            kwargs["retry_policy"] = retry.HorovodRetryPolicy()  # the task's own, even None, stays
         super().__init__(**kwargs)
         # not templated: checked when the DAG is parsed, as the engine would check them
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
@@ -164,6 +176,9 @@ class HorovodRunnerOperator(BaseOperator):
         self.spark_conf = spark_conf or {}
         self.env = env or {}
         self.resume = resume
+        if not isinstance(resume_on_clear, bool):
+            raise ValueError("resume_on_clear must be True or False; got %r" % (resume_on_clear,))
+        self.resume_on_clear = resume_on_clear
         self.start_timeout = start_timeout
         self.stall_timeout = stall_timeout
         self.max_artifact_bytes = max_artifact_bytes
@@ -194,7 +209,8 @@ class HorovodRunnerOperator(BaseOperator):
             metrics, status = recorder.close(), try_status(report, error)
             if tracking is not None:
                 tracking.finish(status.value, {"checkpoint": report.checkpoint_path, "timeline": report.timeline_path})
-            xcom = self._store(folder, local, result, report, status, context["ti"].try_number, error, source)
+            failure = self._explain_failure(error, report)
+            xcom = self._store(folder, local, result, report, status, context["ti"].try_number, failure, source)
             xcom["metrics"] = metrics
         self._record_final_checkpoint(folder, context)
         self._push_metadata(context, xcom)
@@ -222,11 +238,14 @@ class HorovodRunnerOperator(BaseOperator):
         if self.resume in (None, "", RESUME_NEVER):
             return None, None
         if self.resume == RESUME_AUTO:
-            source = None
-            if try_number > 1:
-                source = store.recorded_checkpoint(_state_store(context)) or store.latest_checkpoint(folder, try_number)
+            source, since = None, self._resume_since(context)
+            if try_number > since:
+                recorded = store.recorded_checkpoint(_state_store(context))
+                if recorded is not None and (recorded.try_number or 0) < since:
+                    recorded = None  # made before the Clear (Airflow 3.3 keeps the state store on Clear)
+                source = recorded or store.latest_checkpoint(folder, try_number, since)
             if source is None:
-                if try_number > 1:
+                if try_number > since:
                     self.log.info("No committed checkpoint in earlier tries: starting from scratch.")
                 return None, None
         else:
@@ -234,6 +253,17 @@ class HorovodRunnerOperator(BaseOperator):
             source = store.Checkpoint(store.checkpoint_at(str(self.resume), roots=roots), None)
         self.log.info("Resuming from checkpoint %s", source.describe())
         return source, self.hook.download(source.path)
+
+    def _resume_since(self, context: Context) -> int:
+        """The earliest try whose checkpoints this try may resume from: 1, or with
+        ``resume_on_clear=False`` the first try since the task instance was last cleared."""
+        first = first_try_since_clear(context["ti"], self.retries)
+        if first > 1 and not self.resume_on_clear:
+            if context["ti"].try_number == first:
+                self.log.info("Try %d follows a Clear of the task: starting from scratch (resume_on_clear=False). "
+                              "Set resume_on_clear=True to resume from the earlier tries' checkpoints.", first)
+            return first
+        return 1
 
     def _version_sink(self, folder: ObjectStoragePath, context: Context) -> Callable[[Any, Any], None]:
         """What the engine calls with each checkpoint version it committed: into the store at
@@ -301,7 +331,7 @@ class HorovodRunnerOperator(BaseOperator):
     def _train(self, np: int, local_dir: str, resume_from: str | None,
                on_checkpoint: Callable[[Any, Any], None],
                on_report: Callable[[Any], None]) -> tuple[Any, RunReport, BaseException | None]:
-        from airflow_provider_horovod import ArtifactError, HorovodRunError
+        from airflow_provider_horovod import ArtifactError
 
         try:
             result, report = self.hook.run(
@@ -323,13 +353,27 @@ class HorovodRunnerOperator(BaseOperator):
             if resume_from:
                 shutil.rmtree(resume_from, ignore_errors=True)
 
+    def _explain_failure(self, error: BaseException | None, report: RunReport) -> dict[str, Any] | None:
+        """The failure the try's marker keeps (``None``: the try succeeded), with what the retry
+        policy makes of it (``retry``), also logged; a ``HorovodRunError`` carries the engine's report
+        (``failure``) to the policy."""
+        if error is None:
+            return None
+        record = failure_record(error, report)
+        if isinstance(error, HorovodRunError) and error.failure is None:
+            error.failure = dict(record)
+        if isinstance(self.retry_policy, retry.HorovodRetryPolicy):
+            record["retry"] = retry.judge(error).text(self.retry_policy)
+            self.log.error("%s", record["retry"])
+        return record
+
     def _store(self, folder: ObjectStoragePath, local: str, result: Any, report: RunReport, status: store.TryStatus,
-               try_number: int, error: BaseException | None, resumed_from: store.Checkpoint | None) -> dict[str, Any]:
+               try_number: int, failure: dict[str, Any] | None, resumed_from: store.Checkpoint | None) -> dict[str, Any]:
         import cloudpickle
 
         xcom_result: Any = None
         extra_files: dict[str, bytes] = {}
-        if error is None:
+        if failure is None:
             if _is_json(result):
                 xcom_result = result
             else:  # stored beside the artifacts, never written into the engine's committed folder
@@ -342,7 +386,7 @@ class HorovodRunnerOperator(BaseOperator):
             resumed_from=str(resumed_from.path) if resumed_from is not None else None,
             resumed_from_try=resumed_from.try_number if resumed_from is not None else None,
             resumed_from_step=resumed_from.step if resumed_from is not None else None,
-            error=failure_record(error, report) if error is not None else None,
+            error=failure,
         )
         committed = store.store_try(local, folder, marker, extra_files=extra_files)
         newest = store.newest_checkpoint(folder)
@@ -399,6 +443,18 @@ def _state_store(context: Context) -> Any:
     return state if callable(getattr(state, "get", None)) and callable(getattr(state, "set", None)) else None
 
 
+def first_try_since_clear(ti: Any, retries: int | None) -> int:
+    """The first try number since the task instance was created or last cleared. A Clear sets
+    ``max_tries`` to the try number so far plus ``retries`` (Airflow's ``clear_task_instances``), so
+    the first try of the current round is ``max_tries - retries + 1``, as Airflow's own
+    ``get_first_reschedule_date`` computes it. 1 when ``max_tries`` is not known."""
+    max_tries, try_number = getattr(ti, "max_tries", None), getattr(ti, "try_number", 1)
+    if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 0:
+        return 1
+    first = max_tries - (retries or 0) + 1
+    return first if 1 <= first <= try_number else 1
+
+
 def validate_np(np: Any) -> int:
     """``np`` after templating: a non-zero int (a string of digits from a template counts)."""
     value = np
@@ -453,7 +509,7 @@ def failure_record(error: BaseException, report: RunReport) -> dict[str, Any]:
     """The failure a try's marker keeps for the Horovod view, one record (``events.Failure``) as
     JSON: the engine's report, else one made from the exception."""
     if report.error and report.error.get("message"):
-        return report.error
+        return dict(report.error)
     first_line = str(error).split("\n", 1)[0]
     return Failure(
         message=first_line, exception="%s: %s" % (type(error).__name__, first_line),

@@ -297,6 +297,7 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
 {% if facts.error %}{% set e = facts.error %}
 <section id="failure"><h2>Failure{% if e.rank is not none %} of rank {{ e.rank }}{% endif %}{% if e.host %} on {{ e.host }}{% endif %}</h2>
  <p id="failure-message">{{ e.exception or e.message }}{% if e.exit %} ({{ e.exit }}){% endif %}</p>
+ {% if e.retry %}<p id="failure-retry">{{ e.retry }}</p>{% endif %}
  {% if e.traceback %}<pre id="failure-traceback">{{ e.traceback }}</pre>{% endif %}
  {% if e.tail %}<h3>Last lines{% if e.rank is not none %} of rank {{ e.rank }}{% endif %}</h3><pre id="failure-tail">{{ e.tail | join("\\n") }}</pre>{% endif %}
  {% if e.launcher_output %}<h3>The launcher's words</h3><pre>{{ e.launcher_output | join("\\n") }}</pre>{% endif %}

@@ -37,6 +37,7 @@ ENV_LOCAL_SIZE = "HVDRUNNER_LOCAL_SIZE"
 ENV_CROSS_RANK = "HVDRUNNER_CROSS_RANK"
 ENV_CROSS_SIZE = "HVDRUNNER_CROSS_SIZE"
 ENV_HOSTNAME = "HVDRUNNER_HOSTNAME"
+ENV_GPUS = "HVDRUNNER_GPUS"  # the addresses of the GPUs Spark gave the rank's task ("0,1"); absent: none
 # What the Gloo contract sets and a driver's own environment must never leak into a rank.
 HOROVOD_RANK_CONTRACT = (
     "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",

@@ -36,6 +36,9 @@ class TaskFacts:
     missing: tuple[str, ...] = ()  # programs the launcher needs that are not on PATH here
     provider: str = ""  # this package's installed version on the executor (``environment``)
     horovod: str = ""  # the executor's Horovod build, one line (``environment.HorovodBuild.describe``)
+    machine: str = ""  # the container's own host name, for messages only: names can repeat, executors cannot
+    shm_size: int = -1  # bytes of /dev/shm on this host (``readiness``); -1: none, or not reported
+    shm_free: int = -1
 
     @property
     def stack(self) -> dict[str, str]:
@@ -191,8 +194,11 @@ def rank_env(slot: Slot) -> dict[str, str]:
 
 
 def gpu_env(slot: Slot) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` is exactly the task's GPU addresses, when it has any."""
-    return {"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus)} if slot.gpus else {}
+    """``CUDA_VISIBLE_DEVICES`` is exactly the task's GPU addresses, when it has any (and
+    ``HVDRUNNER_GPUS`` says so to ``runtime.device()``: the rank's first device is ``cuda:0``)."""
+    if not slot.gpus:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus), names.ENV_GPUS: ",".join(slot.gpus)}
 
 
 def slot_summary(plan: Plan) -> list[dict[str, Any]]:

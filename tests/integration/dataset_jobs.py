@@ -6,6 +6,14 @@ import os
 import socket
 
 
+def own_address() -> str:
+    """This host's first address outside loopback: hosts named alike still differ by it."""
+    import psutil
+
+    return next(a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                if a.family == socket.AF_INET and not a.address.startswith("127."))
+
+
 def shard_job(batch_size: int = 8, remainder: str = "wrap"):
     """Each rank's view of its shard; one allreduce per step, so unequal steps would hang the job."""
     import horovod.torch as hvd
@@ -27,7 +35,7 @@ def shard_job(batch_size: int = 8, remainder: str = "wrap"):
         "shard_ids": epoch[: shard.num_rows],
         "file": str(shard.path),
         "task_dir": os.environ["HVDRUNNER_TASK_DIR"],
-        "host": socket.gethostname(),
+        "host": own_address(),  # not the host name: the bed's hosts share one
         "columns": shard.schema.names,
     })
 

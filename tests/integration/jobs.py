@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 
@@ -15,10 +16,13 @@ def allreduce_job(tag: str = "x"):
     import horovod.torch as hvd
     import torch
 
+    from airflow_provider_horovod import runtime
+
     hvd.init()
     total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum).item()
     seen = hvd.allgather_object(
         {
+            "device": runtime.device(),
             "rank": hvd.rank(),
             "size": hvd.size(),
             "local_rank": hvd.local_rank(),
@@ -253,15 +257,17 @@ def durable_job(steps: int = 4, pause: float = 0.5, explicit: bool = False, mark
 
 
 def host_versions_job(steps: int = 100000, pause: float = 0.5, weights_kb: int = 256):
-    """Rank 0 commits one version a step with ``runtime.commit_checkpoint`` (``step.txt``, and
-    ``weights.bin``: ``weights_kb`` KiB of the step's byte), its host's name in the version's
-    metrics, then trains on for ``pause`` s; resumes after the step in ``resume_dir()``."""
-    import socket
-
+    """Rank 0 commits one version a step with ``runtime.commit_checkpoint`` (``step.txt``;
+    ``weights.bin``: ``weights_kb`` KiB of the step's byte; ``host.txt``: its host's address, as names
+    repeat), then trains on for ``pause`` s; resumes after the step in ``resume_dir()``."""
     import horovod.torch as hvd
+    import psutil
     import torch
 
     from airflow_provider_horovod import runtime
+
+    host = next(a.address for addrs in psutil.net_if_addrs().values() for a in addrs  # names repeat; addresses do not
+                if a.family == socket.AF_INET and not a.address.startswith("127."))
 
     hvd.init()
     resume = runtime.resume_dir()
@@ -272,10 +278,10 @@ def host_versions_job(steps: int = 100000, pause: float = 0.5, weights_kb: int =
         if hvd.rank() == 0:
             (ckpt / "weights.bin").write_bytes(bytes([step % 256]) * (weights_kb << 10))
             (ckpt / "step.txt").write_text(str(step))
-            (ckpt / "host.txt").write_text(socket.gethostname())
+            (ckpt / "host.txt").write_text(host)
             runtime.commit_checkpoint(step=step)
         time.sleep(pause)
-    return {"start": start, "host": socket.gethostname()}
+    return {"start": start, "host": host}
 
 
 def unpicklable_result_job():

@@ -4,7 +4,8 @@ Each host has its own address in a private subnet, its loopback up and an interf
 differently from the others' (``enp0s3`` on the driver, ``eth0``, ``ens5``, ... on the workers),
 as on real machines. Worker hosts also get a private ``/tmp`` (a mount namespace with its own
 tmpfs, into which a checkout and virtualenv that lie under /tmp are bound) and a host name of
-their own (a UTS namespace, with an ``/etc/hosts`` naming every host),
+their own (a UTS namespace, with an ``/etc/hosts`` naming every host; ``NetBed(hostname=...)`` gives every
+worker the same one, as containers called alike; ``NetBed(shm=...)`` a small ``/dev/shm``),
 both held by a *keeper* process: no host reads another's files, the driver included, and no two
 hosts look like one machine to Gloo or Open MPI. A host's
 link can be shaped (``tc tbf``), and new TCP connections from a host to a range of the driver's
@@ -74,6 +75,7 @@ class Host:
     address: str
     peer: str  # the veth end on the bridge, in the root namespace
     hostname: str = ""  # worker hosts: a name of their own (UTS namespace), resolved by their /etc/hosts
+    shm: str = ""  # worker hosts: the size of a /dev/shm of their own ("64m"); "": the machine's
     keeper_pid: int = 0  # holds the host's namespaces (worker hosts); 0: the host shares the machine's files
 
     def argv(self, argv: list[str]) -> list[str]:
@@ -86,7 +88,13 @@ class Host:
 class NetBed:
     """A driver host and ``workers`` worker hosts in network namespaces on one bridge."""
 
-    def __init__(self, workers: int = 2, *, loopback_names: bool = False) -> None:
+    def __init__(self, workers: int = 2, *, loopback_names: bool = False, hostname: str = "",
+                 shm: dict[str, str] | None = None) -> None:
+        """``hostname``: one name for every worker host (containers named alike; not with
+        ``loopback_names``, whose workers are reached by name); ``shm``: a /dev/shm of its own, of
+        that size, for each named worker host (``{"a": "64m"}``: Docker's default)."""
+        if hostname and loopback_names:
+            raise ValueError("a bed with loopback_names reaches its workers by name: they cannot share one")
         self.id = secrets.token_hex(3)
         self.loopback_names = loopback_names
         self.owner = os.getpid()
@@ -99,7 +107,8 @@ class NetBed:
                 name=name, netns="%s-%d-%s-%s" % (PREFIX, self.owner, self.id, name),
                 iface=DRIVER_IFACE if name == "driver" else WORKER_IFACES[i - 1],
                 address="%s.%d" % (self.subnet, 10 + i), peer="hv%sh%d" % (self.id, i),
-                hostname="" if name == "driver" else "%s-%s-%s" % (PREFIX, self.id, name))
+                hostname="" if name == "driver" else hostname or "%s-%s-%s" % (PREFIX, self.id, name),
+                shm=(shm or {}).get(name, ""))
         self._keepers: list[subprocess.Popen] = []
 
     # -- what tests use ----------------------------------------------------------------------------
@@ -263,11 +272,13 @@ class NetBed:
         script = ('hostname "$1" && mount -t tmpfs -o size=%s,mode=1777 hvdtb "$3" '
                   '&& for p in "${@:4}"; do mkdir -p "$3${p#/tmp}" && mount --bind "$p" "$3${p#/tmp}" || exit 1; done '
                   '&& mount --move "$3" /tmp && printf "%%s" "$2" > /tmp/.hosts '
-                  '&& mount --bind /tmp/.hosts /etc/hosts && echo ready && exec sleep 1000000' % TMPFS_SIZE)
+                  '&& mount --bind /tmp/.hosts /etc/hosts '
+                  '&& { [ -z "$HVDTB_SHM" ] || mount -t tmpfs -o size="$HVDTB_SHM",mode=1777 hvdshm /dev/shm; } '
+                  '&& echo ready && exec sleep 1000000' % TMPFS_SIZE)
         keeper = subprocess.Popen(
             ["ip", "netns", "exec", host.netns, "unshare", "--mount", "--uts", "--propagation", "private", "--",
              "bash", "-c", script, "keeper", host.hostname, self.etc_hosts(host), str(self.tmp_stash),
-             *map(str, shared_under_tmp())],
+             *map(str, shared_under_tmp())], env={**os.environ, "HVDTB_SHM": host.shm},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self._keepers.append(keeper)
         line = keeper.stdout.readline().strip()

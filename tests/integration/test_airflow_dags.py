@@ -155,7 +155,8 @@ def test_keras_digits_example_retries_from_its_checkpoint_and_reaches_the_accura
     with h5py.File(checkpoint / "model.h5", "r") as saved:
         assert saved.attrs["epoch"] == 8
     output = proc.stdout + proc.stderr
-    assert "fail_first_try_after_epoch=3: this try fails on purpose" in output
+    assert "fail_first_try_after_epoch=3: this try's ranks are killed on purpose" in output
+    assert "Retried after 5 s if retries are left (lost infrastructure): " in output  # the example's policy
     assert "rank 0 resumes after epoch 3" in output and "rank 1 resumes after epoch 3" in output
     assert "epoch 4: loss" in output and "epoch 8: loss" in output
     assert airflow.xcom("horovod_keras_digits", "evaluate")["accuracy"] >= 0.90
@@ -261,15 +262,27 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_start_timeout_and_artifact_limits_set_on_the_operator_reach_the_engine(airflow):
+def test_the_default_retry_policy_fails_a_raising_function_at_once_and_retries_too_few_slots(airflow):
+    proc = airflow.dags_test("hvd_test_retry_policy")
+    output = proc.stdout + proc.stderr
+    assert airflow.task_states("hvd_test_retry_policy") == {
+        "raises": ("failed", 1), "more_ranks_than_slots": ("failed", 2),
+    }, explain(proc)
+    assert ("Not retried (user code): the training function raised ValueError: the learning rate must be positive "
+            "in rank ") in output
+    assert "Retried after 0 s if retries are left (too few slots): np=4 needs 4 barrier slots, but the cluster has 2" in output
+    assert "after waiting start_timeout=2s" in output  # the operator's, not the engine's default of 120 s
+    assert "Waiting up to start_timeout=2s for 4 barrier slots: the cluster has 2 now" in output
+    run_id = airflow.last_run_id("hvd_test_retry_policy")
+    marker = json.loads((airflow.artifacts / "hvd_test_retry_policy" / run_id / "raises" / "try-1" / "_ARTIFACTS.json").read_text())
+    assert marker["error"]["retry"].startswith("Not retried (user code): ")  # what the Horovod view shows
+
+
+def test_artifact_limits_set_on_the_operator_reach_the_engine(airflow):
     proc = airflow.dags_test("hvd_test_limits")
     output = proc.stdout + proc.stderr
     states = airflow.task_states("hvd_test_limits")
-    assert {task: state for task, (state, _) in states.items()} == {
-        "more_ranks_than_slots": "failed", "too_many_files": "failed",
-    }, explain(proc)
-    assert "np=4 needs 4 barrier slots, but the cluster has 2" in output
-    assert "after waiting start_timeout=2s" in output  # the operator's, not the engine's default of 120 s
+    assert {task: state for task, (state, _) in states.items()} == {"too_many_files": "failed"}, explain(proc)
     assert "max_artifact_files" in output
     run_id = airflow.last_run_id("hvd_test_limits")
     marker = json.loads((airflow.artifacts / "hvd_test_limits" / run_id / "too_many_files" / "try-1" / "_ARTIFACTS.json").read_text())

@@ -54,6 +54,8 @@ def test_each_rank_sees_exactly_its_own_tasks_gpu(cluster_runs, launcher):
     assert devices == [",".join(slot["gpus"]) for slot in plan["slots"]]
     assert all(d is not None and len(d.split(",")) == 1 for d in devices)
     assert len(set(devices)) == 2  # two executors, two different GPUs
+    # each rank's own GPU is its cuda:0, whatever its address on the machine
+    assert [r["device"] for r in cluster_runs[launcher]["result"]["ranks"]] == ["cuda:0", "cuda:0"]
 
 
 def test_torch_ddp_on_two_executors_gives_each_rank_its_own_gpu_as_a_node_of_one(cluster_runs):
@@ -65,6 +67,7 @@ def test_torch_ddp_on_two_executors_gives_each_rank_its_own_gpu_as_a_node_of_one
     # a task with its own GPU is a torch node of one: torch.cuda.set_device(LOCAL_RANK) picks that GPU
     assert [(r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"], r["env"]["GROUP_RANK"]) for r in ranks] == [
         ("0", "1", "0"), ("0", "1", "1")]
+    assert [r["device"] for r in ranks] == ["cuda:0", "cuda:0"]
     assert {r["env"]["MASTER_ADDR"] for r in ranks} == {plan[0]["address"]}
     assert [r["rows"] for r in ranks] == [-(-DATASET_ROWS // 2)] * 2  # ceil(101 / 2): the shorter shard wraps
 

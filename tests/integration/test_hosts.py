@@ -23,6 +23,7 @@ from tests.integration.scenarios.bed_runs import DATASET_ROWS
 
 pytestmark = pytest.mark.slow
 SCENARIO_TIMEOUT_S = 540
+SAME_NAME = "trainer-0"
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,9 @@ def netbed():
     why = NetBed.unavailable()
     if why is not None:
         pytest.skip(why)
-    bed = NetBed(workers=2)
+    # Both workers are called alike, as containers named trainer-0 in two pods, and worker b has
+    # Docker's 64 MiB /dev/shm: every run here shows that neither confuses the plan.
+    bed = NetBed(workers=2, hostname=SAME_NAME, shm={"b": "64m"})
     try:
         bed.up()
         # The driver's own ports (the engine's channel among them) come from this range; Spark's
@@ -69,7 +72,7 @@ def hosts_of(plan: list[dict]) -> list[str]:
     return [slot["address"] for slot in plan]
 
 
-def test_each_bed_host_has_its_own_address_interface_name_host_name_and_files(netbed, tmp_path):
+def test_each_bed_host_has_its_own_address_interface_files_and_dev_shm_under_one_shared_host_name(netbed, tmp_path):
     driver_file = tmp_path / "only-on-the-driver"
     driver_file.write_text("x")
     names = set()
@@ -81,8 +84,20 @@ def test_each_bed_host_has_its_own_address_interface_name_host_name_and_files(ne
         addrs = on_host("ip", "-o", "-4", "addr", "show", "dev", host.iface).stdout
         assert "%s/24" % host.address in addrs
         names.add(on_host("hostname").stdout.strip())
-    assert names == {h.hostname for h in netbed.workers} and len(names) == len(netbed.workers)
+    assert names == {SAME_NAME}  # two containers called alike
     assert len({h.iface for h in netbed.hosts.values()}) == len(netbed.hosts)
+    shm = [netbed.run(h, ["df", "-B1", "--output=size", "/dev/shm"], capture_output=True, text=True).stdout.split()[-1]
+           for h in netbed.workers]
+    assert int(shm[1]) == 64 * 1024 * 1024 and int(shm[0]) > 64 * 1024 * 1024
+
+
+def test_a_host_with_a_64_mib_dev_shm_is_warned_about_before_its_ranks_start_naming_it(netbed, bed_runs):
+    small = netbed.hosts["b"].address
+    said = "/dev/shm on host %s (executor %s:" % (SAME_NAME, small)
+    warnings = [line for line in bed_runs["_output"].splitlines() if said in line]
+    assert all("address %s) is 64 MiB for" % small in w and "--shm-size" in w for w in warnings), warnings
+    assert any("64 MiB for 1 rank(s)" in w for w in warnings) and any("64 MiB for 2 rank(s)" in w for w in warnings)
+    assert not [line for line in bed_runs["_output"].splitlines() if "/dev/shm on host" in line and small not in line]
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])

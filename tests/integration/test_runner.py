@@ -11,7 +11,15 @@ import time
 
 import pytest
 
-from airflow_provider_horovod import HorovodRunError, HorovodRunner, Keras3NotSupportedError, PayloadError, RunCancelledError
+from airflow_provider_horovod import (
+    ExecutorMismatchError,
+    HorovodRunError,
+    HorovodRunner,
+    Keras3NotSupportedError,
+    PayloadError,
+    RunCancelledError,
+)
+from airflow_provider_horovod.retry import Cause, judge
 from tests.conftest import ours, wait_no_run_processes
 from tests.integration import jobs
 
@@ -108,6 +116,7 @@ def test_rank_failure_surfaces_remote_traceback(spark, launcher):
     assert "failing_job" in err.remote_traceback  # the frame of the user's function, in the user's file and line
     assert 'File "%s", line' % jobs.__file__ in err.remote_traceback
     assert 'raise ValueError("boom from rank %d" % hvd.rank())' in err.remote_traceback
+    assert judge(err).cause == Cause.USER_CODE  # HorovodRetryPolicy fails the task at once
 
 
 @pytest.mark.parametrize(("np", "launcher"), [(2, "mpirun"), (-2, "gloo")])
@@ -129,6 +138,7 @@ def test_rank_killed_with_sigkill_ends_the_run(spark, launcher):
     assert time.monotonic() - started < 30
     assert info.value.rank == 1
     assert "SIGKILL" in str(info.value) or "signal 9" in str(info.value)
+    assert judge(info.value).cause == Cause.LOST  # HorovodRetryPolicy retries it
 
 
 @pytest.mark.parametrize("when", ["inside", "shutdown"])
@@ -248,7 +258,7 @@ def test_np_larger_than_the_slots_fails_within_start_timeout_naming_the_slots(sp
 
 
 def test_mpirun_missing_on_the_executor_is_a_clear_error(spark):
-    with pytest.raises(HorovodRunError, match="mpirun and orted not found on executor"):
+    with pytest.raises(ExecutorMismatchError, match="mpirun and orted not found on executor"):
         HorovodRunner(2, spark=spark, env={"PATH": "/nonexistent"}).run(jobs.allreduce_job)
 
 
@@ -347,14 +357,14 @@ def test_python_version_mismatch_says_what_to_fix(tmp_path):
     if other is None:
         pytest.skip("no second Python version on this machine")
     got = _one_run(tmp_path, {}, PYSPARK_PYTHON=other)  # the executors' Python, not the driver's
-    assert got["error_type"] == "HorovodRunError"
+    assert got["error_type"] == "ExecutorMismatchError"  # a HorovodRunError that no retry fixes
     assert "differs from the driver's" in got["message"] and "PYSPARK_PYTHON" in got["message"]
 
 
 def test_dynamic_allocation_is_refused_before_any_spark_job(tmp_path):
     got = _one_run(tmp_path, {"spark.dynamicAllocation.enabled": "true",
                               "spark.dynamicAllocation.shuffleTracking.enabled": "true"})
-    assert got["error_type"] == "HorovodRunError"
+    assert got["error_type"] == "ClusterSettingsError"
     assert "spark.dynamicAllocation.enabled=false" in got["message"]
     assert got["spark_jobs"] == 0
 
@@ -455,7 +465,7 @@ def test_executor_without_the_package_fails_with_one_line_naming_host_interprete
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out.read_text())
-    assert got["error_type"] == "HorovodRunError"
+    assert got["error_type"] == "ExecutorMismatchError"
     message = got["message"]
     assert "\n" not in message and "org.apache.spark" not in message, message
     assert message.startswith("The executor on host ") and (" runs %s" % python) in message, message

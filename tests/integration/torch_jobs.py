@@ -58,7 +58,8 @@ def ddp_job(steps: int = 6, lr: float = 0.1, use_dataset: bool = False, pause: f
     dist.all_gather_object(seen, {"rank": rank, "env": {k: os.environ.get(k) for k in TORCHRUN_ENV},
                                   "weights": weights, "start": start, "rows": len(x), "init_s": init_s,
                                   "horovod_env": sorted(k for k in os.environ if k.startswith("HOROVOD_")),
-                                  "runtime": (runtime.rank(), runtime.size(), runtime.local_rank())})
+                                  "runtime": (runtime.rank(), runtime.size(), runtime.local_rank()),
+                                  "device": runtime.device()})
     dist.destroy_process_group()
     return {"ranks": seen, "loss": loss.item()}
 

@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from airflow_provider_horovod.exceptions import HorovodRunError, InsufficientSlotsError, RunCancelledError, rank_error
+from airflow_provider_horovod.exceptions import (
+    ClusterSettingsError,
+    ExecutorMismatchError,
+    HorovodRunError,
+    InsufficientSlotsError,
+    RunCancelledError,
+    rank_error,
+)
 from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.dataset import DatasetSpec, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
@@ -47,6 +54,7 @@ from airflow_provider_horovod.runner.driver.supervisor import (
 from airflow_provider_horovod.runner.environment import stack_of_this_host
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
+from airflow_provider_horovod.runner.readiness import shm_warnings
 from airflow_provider_horovod.runner.stall import stall_in
 from airflow_provider_horovod.runner.task.barrier import (
     ERROR_MARKER,
@@ -84,10 +92,13 @@ def _in_thread(name: str, work: Callable[[], Any], events: queue.Queue) -> threa
 
 
 def checked_plan(driver_python: str, driver_stack: dict[str, str], facts: list[TaskFacts]) -> Plan:
-    """The driver's planner: the plan of ``facts``, or ``PlanError`` when ``check_facts`` refuses them."""
+    """The driver's planner: the plan of ``facts``, or ``PlanError`` when ``check_facts`` refuses them;
+    a host that is short of something its ranks may need is a warning in the log (``readiness``)."""
     failure = check_facts(driver_python, facts, driver_stack)
     if failure is not None:
         raise PlanError(failure)
+    for warning in shm_warnings(facts):
+        log.warning("%s", warning)
     return make_plan(facts)
 
 
@@ -289,7 +300,7 @@ class Attempt:
             return default
 
         if conf("spark.dynamicAllocation.enabled", "false").lower() == "true":
-            raise HorovodRunError(
+            raise ClusterSettingsError(
                 "Spark dynamic allocation is enabled, and barrier stages cannot run with it. Set "
                 "spark.dynamicAllocation.enabled=false for this session (or its connection's extras)."
             )
@@ -304,10 +315,15 @@ class Attempt:
         return None
 
     def _wait_for_slots(self, spark: Any) -> None:
+        """Until the cluster has ``np`` barrier slots (executors that register late, slots other jobs
+        hold), within ``start_timeout``; the log says what it waits for and how long it took."""
         self.slots = self._available_slots(spark)
-        if self.slots is None:
+        if self.slots is None or self.slots >= self.runner.np:
             return
-        deadline = time.monotonic() + self.runner.start_timeout
+        log.info("Waiting up to start_timeout=%gs for %d barrier slots: the cluster has %d now (executors still "
+                 "registering, or slots other jobs hold)", self.runner.start_timeout, self.runner.np, self.slots)
+        started = time.monotonic()
+        deadline = started + self.runner.start_timeout
         while self.slots < self.runner.np:
             if time.monotonic() > deadline or self.runner._cancelled.is_set():
                 raise InsufficientSlotsError(
@@ -318,6 +334,7 @@ class Attempt:
                 )
             time.sleep(0.5)
             self.slots = self._available_slots(spark) or 0
+        log.info("The cluster has %d barrier slots after waiting %.1f s for them", self.slots, time.monotonic() - started)
 
     def _slots_text(self) -> str:
         return "%d slots available" % self.slots if self.slots is not None else "an unknown number of slots"
@@ -366,14 +383,14 @@ class Attempt:
         if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
             found = re.search(r"different version \(?([\d, .]+)\)? than that in driver ([\d.]+)", text)
             executor = found.group(1).replace(", ", ".").strip() if found else "another version"
-            return HorovodRunError(
+            return ExecutorMismatchError(
                 "Python %s on the executors differs from the driver's %s. Point PYSPARK_PYTHON (or "
                 "spark.pyspark.python) at the same Python version on the driver and the executors."
                 % (executor, platform.python_version())
             )
         missing = executors.missing_module_text(text, self.workers_python, executors.needed_modules(self.runner.launcher.runs_horovod))
         if missing is not None:
-            return HorovodRunError(missing)
+            return ExecutorMismatchError(missing)
         return HorovodRunError("The Spark job running the Horovod ranks failed:\n%s" % quoted_text(str(err).strip()[:4000]))
 
 
@@ -401,5 +418,7 @@ def run_error(failure: Failure, tails: dict[int, list[str]], others: list[Failur
     for other in others:  # what the other hosts' daemons said, when they said anything
         if other is not cause and other.rank is None and other.launcher_output:
             message += "\n%s" % quoted(other.launcher_output[-20:])
-    return rank_error(failure.error_class, message, rank=failure.rank, host=failure.host,
-                      remote_traceback=failure.traceback or None, log_tail=tails)
+    err = rank_error(failure.error_class, message, rank=failure.rank, host=failure.host,
+                     remote_traceback=failure.traceback or None, log_tail=tails)
+    err.failure = failure.to_json()  # what HorovodRetryPolicy reads
+    return err

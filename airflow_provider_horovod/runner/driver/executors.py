@@ -105,7 +105,7 @@ def task_entry(spec: bytes, marker: str, run: str, found: tuple[str, ...] = FOUN
             host = socket.gethostname()
             python = "%s (Python %s)" % (sys.executable, platform.python_version())
             message = text % (host, python, err.name or "a module", err, needs)
-            raise RuntimeError(marker + json.dumps({"message": message, "host": host,
+            raise RuntimeError(marker + json.dumps({"message": message, "host": host, "error_class": "ExecutorMismatchError",
                                                     "exception": "%s: %s" % (type(err).__name__, err)}) + marker) from None
         yield from getattr(modules[0], run)(spec, batches)
 

@@ -20,6 +20,7 @@ import platform
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +43,7 @@ from airflow_provider_horovod.runner.network import LOOPBACK, Endpoint, endpoint
 from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, Launcher
 from airflow_provider_horovod.runner.plan import Plan, Slot, TaskFacts, make_plan
 from airflow_provider_horovod.runner.rank.keras_guard import LEGACY_KERAS_ENV
+from airflow_provider_horovod.runner.readiness import shm_of_this_host, shm_refusal
 from airflow_provider_horovod.runner.task.shipper import ship_checkpoints
 
 WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.rank.worker"]
@@ -285,12 +287,13 @@ def check_facts(driver_python: str, facts: list[TaskFacts], driver_stack: dict[s
         if ".".join(f.python.split(".")[:2]) != driver_mm:
             return Failure("Python %s on executor %s differs from the driver's %s. Point PYSPARK_PYTHON at the "
                            "same Python version on the driver and the executors." % (f.python, f.executor, driver_python),
-                           executor=f.executor)
+                           executor=f.executor, error_class=ExecutorMismatchError.__name__)
         if f.missing:
             return Failure("%s not found on executor %s (PATH of the task). Install Open MPI on every executor "
                            "(apt-get install openmpi-bin), or use launcher='gloo'." % (" and ".join(f.missing), f.executor),
-                           executor=f.executor)
-    return None
+                           executor=f.executor, error_class=ExecutorMismatchError.__name__)
+    refusal = shm_refusal(facts)
+    return Failure(refusal) if refusal is not None else None
 
 
 def unreachable_driver(channel: tuple[str, int], partition: int, executor: str, error: str | None) -> Failure:
@@ -372,7 +375,7 @@ def task_facts(ctx, spec: RunSpec, partition: int, executor: str, endpoint: Endp
         partition=partition, executor=executor, address=endpoint.address, pid=os.getpid(), task_dir=str(task.path),
         python=platform.python_version(), gpus=tuple(resources["gpu"].addresses) if "gpu" in resources else (),
         iface=endpoint.iface, network=endpoint.network, missing=missing_programs(spec), **services.ports(),
-        **stack_of_this_host(),
+        **stack_of_this_host(), machine=socket.gethostname(), **dict(zip(("shm_size", "shm_free"), shm_of_this_host())),
     )
 
 

@@ -1,6 +1,6 @@
 """Test DAG: HorovodRunnerOperator with a reference string and a templated np; @task.horovod with a
 result that is not JSON-serializable; both under launcher="torch"; @task.horovod whose first try fails after a checkpoint; a
-job killed with its task; bad input; the engine's limits set on the operator."""
+job killed with its task; bad input; the engine's limits set on the operator; the default retry policy."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pendulum
 from airflow.sdk import dag, task
 
 from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
+from airflow_provider_horovod.retry import HorovodRetryPolicy
 
 
 @dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False, params={"ranks": 2})
@@ -71,7 +72,8 @@ def hvd_test_tasks():
 
 @dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False)
 def hvd_test_retry():
-    @task.horovod(np=2, retries=1, retry_delay=datetime.timedelta(seconds=0))
+    # retry_policy=None: Airflow's own rule, which retries the training function's exception
+    @task.horovod(np=2, retries=1, retry_delay=datetime.timedelta(seconds=0), retry_policy=None)
     def flaky():
         import horovod.torch as hvd
 
@@ -121,12 +123,8 @@ def hvd_test_bad_input():
 
 @dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False)
 def hvd_test_limits():
-    """The operator's engine limits reach the engine: too few slots fail after start_timeout (2 s,
-    not the default 120 s); rank 0 handing over more files than max_artifact_files fails the try."""
-
-    @task.horovod(np=4, start_timeout=2)  # the embedded local[2] Spark has 2 barrier slots
-    def more_ranks_than_slots():
-        return "never runs"
+    """The operator's engine limits reach the engine: rank 0 handing over more files than
+    max_artifact_files fails the try."""
 
     @task.horovod(np=-1, max_artifact_files=1)  # one local process: no Spark job
     def too_many_files():
@@ -136,12 +134,30 @@ def hvd_test_limits():
             (runtime.checkpoint_dir() / name).write_bytes(b"w")
         return "trained"
 
-    more_ranks_than_slots()
     too_many_files()
+
+
+@dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False)
+def hvd_test_retry_policy():
+    """HorovodRetryPolicy, the default: a training function that raises is not retried although
+    retries=2; too few slots are retried (after the policy's delay of 0 s, not the task's 300 s).
+    Too few slots also fail after start_timeout (2 s, not the default 120 s)."""
+
+    @task.horovod(np=2, retries=2)
+    def raises():
+        raise ValueError("the learning rate must be positive")
+
+    @task.horovod(np=4, start_timeout=2, retries=1, retry_policy=HorovodRetryPolicy(slots_delay=0))
+    def more_ranks_than_slots():  # the embedded local[2] Spark has 2 barrier slots
+        return "never runs"
+
+    raises()
+    more_ranks_than_slots()
 
 
 hvd_test_tasks()
 hvd_test_retry()
+hvd_test_retry_policy()
 hvd_test_kill()
 hvd_test_bad_input()
 hvd_test_limits()

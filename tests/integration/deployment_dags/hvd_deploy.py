@@ -73,9 +73,11 @@ def hvd_deploy_stop():
 @dag(schedule=None, start_date=START, catchup=False, tags=["hvd-deployment-test"])
 def hvd_deploy_crash():
     """Try 1 raises after its checkpoint; try 2 resumes, checkpoints and waits for the test to SIGKILL
-    its task process; try 3 resumes from the newest committed checkpoint, the killed try 2's version."""
+    its task process; try 3 resumes from the newest committed checkpoint, the killed try 2's version;
+    the test then clears the task: try 4 starts from scratch (the default resume_on_clear=False)."""
 
-    @task.horovod(np=2, retries=2, retry_delay=datetime.timedelta(seconds=0))
+    # retry_policy=None: Airflow's own rule, which retries the function's planned exception
+    @task.horovod(np=2, retries=2, retry_delay=datetime.timedelta(seconds=0), retry_policy=None)
     def crash(try_number: str):
         import horovod.torch as hvd
         import torch

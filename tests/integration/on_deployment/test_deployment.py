@@ -133,7 +133,7 @@ def test_scheduled_example_trains_by_itself_and_the_asset_event_triggers_the_ret
     api.pause("horovod_digits_retrain")  # the clear below publishes again; this test has seen the retrain
 
 
-def test_clear_in_the_ui_reruns_the_task_from_its_newest_checkpoint(airflow_deployment: Deployment):
+def test_clear_in_the_ui_reruns_a_task_with_resume_on_clear_from_its_newest_checkpoint(airflow_deployment: Deployment):
     api = airflow_deployment.api
     run_id = api.runs("horovod_digits_train")[0]["dag_run_id"]
     first = metadata(api, "horovod_digits_train", run_id, "train")
@@ -242,6 +242,16 @@ def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newe
     assert not (killed_try / "_ARTIFACTS.json").exists()  # the killed try never ended, its version is there
     assert "Resuming from checkpoint file://%s (try 2, version 1)" % committed in api.log(dag_id, run_id, "crash", 3)
     assert wait_gone(dag_id) == []
+
+    # a Clear starts from scratch (resume_on_clear=False, the default), as Airflow means it, although the
+    # state store (kept by a Clear on Airflow 3.3) and the store both hold try 3's checkpoint
+    api.clear(dag_id, run_id, ["crash"])
+    api.wait_task(dag_id, run_id, "crash", ["success", "failed"], timeout=420, try_number=4)
+    assert api.task_instance(dag_id, run_id, "crash")["state"] == "success"
+    assert api.xcom(dag_id, run_id, "crash") == {"resumed_step": None}
+    log = api.log(dag_id, run_id, "crash", 4)
+    assert "Try 4 follows a Clear of the task: starting from scratch (resume_on_clear=False)" in log
+    assert "Resuming from checkpoint" not in log
 
 
 def watch_the_live_view(deployment: Deployment, browser, tmp_path: Path, dag_id: str, run_id: str, task_id: str) -> None:

@@ -233,8 +233,8 @@ class Scenarios:
             while time.monotonic() < deadline:
                 seen = versions.committed(first)
                 if sum(v.step is not None for v, _ in seen) >= 3:  # three of commit_checkpoint's, rank 0's host in each
-                    host = (seen[-1][1] / "host.txt").read_text()  # rank 0's host, in each of its versions
-                    victim = next(h for h in self.bed.workers if h.hostname == host)
+                    host = (seen[-1][1] / "host.txt").read_text()  # rank 0's host's address, in each of its versions
+                    victim = next(h for h in self.bed.workers if h.address == host)
                     ran_mpirun = self.runs_mpirun(victim)
                     seen = versions.committed(first)  # the last look before the loss
                     killed.update(host=victim.address, name=victim.name, ran_mpirun=ran_mpirun, at=time.monotonic(),

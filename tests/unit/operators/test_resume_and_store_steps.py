@@ -38,8 +38,8 @@ def operator(root: Path, **kwargs) -> HorovodRunnerOperator:
     return HorovodRunnerOperator(task_id="train", training_callable=train, np=2, artifact_root=str(root), **kwargs)
 
 
-def context(try_number: int, state: StateStore | None = None) -> dict:
-    return {"ti": SimpleNamespace(try_number=try_number), "task_state_store": state}
+def context(try_number: int, state: StateStore | None = None, max_tries: int | None = None) -> dict:
+    return {"ti": SimpleNamespace(try_number=try_number, max_tries=max_tries), "task_state_store": state}
 
 
 def try_folder(root: Path, try_number: int):
@@ -98,6 +98,43 @@ def test_a_first_try_and_resume_never_start_from_scratch(tmp_path):
     operator(root)._version_sink(first, context(1, state))(version, local_folder)
     assert operator(root)._resume_from(first, context(1, state)) == (None, None)  # a first try has nothing earlier
     assert operator(root, resume="never")._resume_from(try_folder(root, 3), context(3, state)) == (None, None)
+
+
+def test_a_try_after_a_clear_starts_from_scratch_and_its_retries_resume_only_from_tries_since_the_clear(tmp_path):
+    root, state = tmp_path / "root", StateStore()
+    local_folder, version = local_version(tmp_path, 1, 5)
+    operator(root, retries=2)._version_sink(try_folder(root, 1), context(1, state, max_tries=2))(version, local_folder)
+    # Clear after try 1: Airflow sets max_tries to 1 + retries, so try 2 is the first of a new round
+    assert operator(root, retries=2)._resume_from(try_folder(root, 2), context(2, state, max_tries=3)) == (None, None)
+    # its retry (try 3) resumes from what try 2 committed, never from before the Clear
+    assert operator(root, retries=2)._resume_from(try_folder(root, 3), context(3, state, max_tries=3)) == (None, None)
+    local_folder, version = local_version(tmp_path, 2, 9)
+    operator(root, retries=2)._version_sink(try_folder(root, 2), context(2, state, max_tries=3))(version, local_folder)
+    source, _ = operator(root, retries=2)._resume_from(try_folder(root, 3), context(3, state, max_tries=3))
+    assert (source.try_number, source.step) == (2, 9)
+
+
+def test_with_resume_on_clear_a_try_after_a_clear_resumes_as_a_retry_does(tmp_path):
+    root, state = tmp_path / "root", StateStore()
+    local_folder, version = local_version(tmp_path, 1, 5)
+    op = operator(root, retries=0, resume_on_clear=True)
+    op._version_sink(try_folder(root, 1), context(1, state, max_tries=0))(version, local_folder)
+    source, _ = op._resume_from(try_folder(root, 2), context(2, state, max_tries=1))  # cleared: max_tries 1 + 0
+    assert (source.try_number, source.step) == (1, 5)
+    source, _ = op._resume_from(try_folder(root, 2), context(2, None, max_tries=1))  # Airflow 3.4: the store emptied
+    assert source.try_number == 1  # the store scan finds it
+
+
+def test_the_first_try_since_a_clear_is_airflows_own_arithmetic():
+    from airflow_provider_horovod.operators.horovod import first_try_since_clear
+
+    def first(try_number, max_tries, retries):
+        return first_try_since_clear(SimpleNamespace(try_number=try_number, max_tries=max_tries), retries)
+
+    assert [first(n, 2, 2) for n in (1, 2, 3)] == [1, 1, 1]  # never cleared: try 1 and its retries
+    assert [first(4, 5, 2), first(5, 5, 2)] == [4, 4]  # cleared after try 3
+    assert first(2, 1, 0) == 2  # no retries, cleared after try 1
+    assert first(3, None, 2) == first(3, -1, 2) == 1  # not known: every earlier try counts
 
 
 def test_the_try_store_keeps_a_result_that_is_not_json_beside_the_artifacts_and_says_where(tmp_path):

@@ -1,0 +1,72 @@
+"""The executor JVM hosting rank 1 is SIGKILLed mid-training on a standalone cluster; the same
+``run()`` restarts from the newest committed version (its own SparkSession, in its own process).
+
+usage: python -m tests.integration.scenarios.restart_runs MASTER CONF_JSON OUT_DIR LAUNCHER...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def kill_when_told(marker: Path, committed: list[int], done: threading.Event) -> list[dict]:
+    """Start a thread that SIGKILLs the pid rank 1 writes to ``marker`` (its executor's JVM), each
+    time it does; returns the kills (pid, the newest step committed before)."""
+    kills: list[dict] = []
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            if marker.exists():
+                pid = int(marker.read_text())
+                marker.unlink()
+                kills.append({"pid": pid, "newest_step": max((s for s in committed if s is not None), default=None)})
+                os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return kills
+
+
+def main() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    master, conf, out, launchers = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+    from pyspark.sql import SparkSession
+
+    from airflow_provider_horovod import HorovodRunner
+    from tests.integration import jobs
+
+    builder = SparkSession.builder.master(master).appName("hvdrunner-restart-tests")
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    results = {}
+    try:
+        for launcher in launchers:
+            committed: list[int] = []
+            done = threading.Event()
+            marker = out / ("jvm-%s" % launcher)
+            kills = kill_when_told(marker, committed, done)
+            runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=out / launcher, max_restarts=1,
+                                   start_timeout=60, on_checkpoint=lambda version, _path: committed.append(version.step))
+            began = time.monotonic()
+            try:
+                result = runner.run(jobs.restartable_job, loss="jvm", marker=str(marker),
+                                    collective="torch" if launcher == "torch" else "horovod")
+            finally:
+                done.set()
+            results[launcher] = {"result": result, "kills": kills, "attempts": runner.last_run.attempts,
+                                 "seconds": time.monotonic() - began}
+    finally:
+        spark.stop()
+    (out / "runs.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -113,6 +113,27 @@ def test_dataset_shards_are_spilled_by_each_executors_task_for_the_rank_beside_i
 
 
 @pytest.fixture(scope="module")
+def restart_runs(cluster, tmp_path_factory):
+    out = tmp_path_factory.mktemp("restart-out")
+    _run_module("tests.integration.scenarios.restart_runs", cluster.master, json.dumps(cluster.app_conf()), str(out),
+                "mpirun", "gloo", "torch")
+    return json.loads((out / "runs.json").read_text())
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo", "torch"])
+def test_an_executor_killed_mid_training_costs_one_restart_of_the_same_run_from_the_newest_committed_version(
+        restart_runs, launcher):
+    got = restart_runs[launcher]
+    lost, restarted = got["attempts"]
+    (kill,) = got["kills"]  # rank 1's executor JVM, SIGKILLed after rank 0 committed step 3 or later
+    assert (lost["ending"], restarted["ending"]) == ("lost", "success")
+    assert lost["cause"].startswith("The barrier task of partition 1 on host hvdhost1") and "died" in lost["cause"]
+    assert restarted["resumed_from"]["step"] >= kill["newest_step"] >= 3  # nothing committed before the loss is lost
+    assert got["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 2}
+    assert 0 < restarted["restart_s"] < 30  # from the loss to the next attempt's ranks starting
+
+
+@pytest.fixture(scope="module")
 def connect_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("connect-out") / "connect.json"
     _run_module("tests.integration.scenarios.connect_run", str(out))

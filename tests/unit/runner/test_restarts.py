@@ -17,14 +17,13 @@ from airflow_provider_horovod.runner.driver.restarts import (
 from airflow_provider_horovod.runner.driver.supervisor import Supervisor
 from airflow_provider_horovod.runner.events import Failure, JobEnded, RankFailed, TaskLost
 from airflow_provider_horovod.runner.options import check_restarts
-from tests.unit.runner.test_supervisor import D, facts_events, make_plan
+from airflow_provider_horovod.runner.plan import make_plan
+from tests.unit.runner.test_supervisor import D, launched
 
 
 def supervised(*events) -> Supervisor:
-    """A two-task supervisor that planned, started and then saw ``events`` (at t=10)."""
-    sup = Supervisor(2, coordinated=True, planner=make_plan, deadlines=D, now=0.0)
-    for event in facts_events(2):
-        sup.handle(event, 1.0)
+    """A two-task supervisor whose ranks run, then saw ``events`` (at t=10)."""
+    sup = launched()
     for event in events:
         sup.handle(event, 10.0)
     return sup

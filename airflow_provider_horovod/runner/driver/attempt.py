@@ -109,6 +109,7 @@ class Attempt:
         self.lost_at = lost_at  # when the attempt before lost its infrastructure (monotonic), for the log
         self.ranks_started_at: float | None = None
         self.ending: Ending | None = None
+        self._job: tuple[Any, str] | None = None  # (SparkSession, tag) of the stage submitted
         self.events: queue.Queue = queue.Queue()
         self.secret = wire.new_secret()
         self.channel = Channel(self.secret, run_id=self.run_id, on_event=self.events.put, artifact_staging=staging,
@@ -155,7 +156,14 @@ class Attempt:
         return None if mark is None else sup.began + mark
 
     def close(self) -> None:
+        """The attempt's end: its channel closes (a task still running takes the hang-up as a cancel
+        and kills its ranks); a Spark job it submitted that has not ended is interrupted, so a
+        restart never runs beside the stage before it."""
         self.channel.close()
+        if self._job is not None and (self.supervisor is None or self.supervisor.job_ended is None):
+            spark, tag = self._job
+            with contextlib.suppress(Exception):
+                spark.interruptTag(tag)
 
     # -- phases ---------------------------------------------------------------------------------
     def _spec(self, run_id: str, secret: bytes, payload: bytes, channel: tuple[str, int] | None) -> RunSpec:
@@ -228,6 +236,7 @@ class Attempt:
         planner = functools.partial(checked_plan, spec.driver_python, spec.driver_stack)
         sup = Supervisor(self.np, coordinated=address is not None, planner=planner, deadlines=self.runner.deadlines,
                          now=time.monotonic())
+        self._job = (spark, tag)
         _in_thread("hvdrunner-job-%s" % spec.run_id, collect, events)
 
         def act(action: Action) -> None:
@@ -338,7 +347,9 @@ class Attempt:
             return
         deadline = time.monotonic() + self.runner.start_timeout
         while self.slots < self.np:
-            if time.monotonic() > deadline or self.runner._cancelled.is_set():
+            if self.runner._cancelled.is_set():
+                raise RunCancelledError("The Horovod job was cancelled while it waited for barrier slots.")
+            if time.monotonic() > deadline:
                 raise InsufficientSlotsError(
                     "np=%d needs %d barrier slots, but the cluster has %d (executor cores / "
                     "spark.task.cpus, and GPUs per task where set) after waiting start_timeout=%gs. "

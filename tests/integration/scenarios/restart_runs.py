@@ -37,15 +37,11 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     master, conf, out, launchers = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
-    from pyspark.sql import SparkSession
-
     from airflow_provider_horovod import HorovodRunner
     from tests.integration import jobs
+    from tests.integration.cluster import app_session
 
-    builder = SparkSession.builder.master(master).appName("hvdrunner-restart-tests")
-    for key, value in conf.items():
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    spark = app_session(master, conf, "hvdrunner-restart-tests")
     results = {}
     try:
         for launcher in launchers:

@@ -7,6 +7,7 @@ usage: python -m tests.integration.scenarios.restart_runs MASTER CONF_JSON OUT_D
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -33,8 +34,6 @@ def kill_when_told(marker: Path, committed: list[int], done: threading.Event) ->
 
 
 def main() -> None:
-    import logging
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     master, conf, out, launchers = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
     from airflow_provider_horovod import HorovodRunner

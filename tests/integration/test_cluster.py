@@ -134,6 +134,26 @@ def test_an_executor_killed_mid_training_costs_one_restart_of_the_same_run_from_
 
 
 @pytest.fixture(scope="module")
+def host_loss_run(tmp_path_factory):
+    """A cluster of its own: the worker hosting rank 1 is killed for good."""
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster-host-loss")).start()
+    try:
+        out = tmp_path_factory.mktemp("host-loss-out")
+        _run_module("tests.integration.scenarios.restart_runs", cluster.master, json.dumps(cluster.app_conf()), str(out),
+                    "gloo/host")
+    finally:
+        cluster.stop()
+    return json.loads((out / "runs.json").read_text())["gloo/host"]
+
+
+def test_a_host_gone_for_good_with_min_np_below_np_finishes_on_the_ranks_left(host_loss_run):
+    lost, restarted = host_loss_run["attempts"]
+    assert (lost["np"], lost["ending"], restarted["np"], restarted["ending"]) == (2, "lost", 1, "success")
+    assert restarted["resumed_from"]["step"] >= host_loss_run["kills"][0]["newest_step"] >= 3
+    assert host_loss_run["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 1}
+
+
+@pytest.fixture(scope="module")
 def connect_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("connect-out") / "connect.json"
     _run_module("tests.integration.scenarios.connect_run", str(out))

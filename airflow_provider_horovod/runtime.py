@@ -207,3 +207,10 @@ def resume_dir() -> Path | None:
     """The checkpoint folder given as ``resume_from``, present on every rank, or ``None``."""
     value = os.environ.get(names.ENV_RESUME_DIR)
     return Path(value) if value else None
+
+
+def attempt() -> int:
+    """Which attempt of the run this is: ``0``, then ``1``, ``2``, ... after each restart inside the
+    same try (``max_restarts``: an executor or host was lost). A restarted attempt's ``resume_dir()``
+    is the newest checkpoint version the driver committed; outside a rank, ``0``."""
+    return _int(names.ENV_ATTEMPT, default=0)

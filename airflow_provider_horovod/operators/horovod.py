@@ -20,8 +20,15 @@ from airflow_provider_horovod.metrics import DEFAULT_PROGRESS_INTERVAL_S, Metric
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
+from airflow_provider_horovod.runner.driver.restarts import AttemptRecord
 from airflow_provider_horovod.runner.events import Failure, RunReport, RunStatus
-from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, DEFAULT_START_TIMEOUT_S, Launcher, check_options
+from airflow_provider_horovod.runner.options import (
+    DEFAULT_STALL_TIMEOUT_S,
+    DEFAULT_START_TIMEOUT_S,
+    Launcher,
+    check_options,
+    check_restarts,
+)
 from airflow_provider_horovod.runner.payload import check_arguments
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
 from airflow_provider_horovod.links import HorovodTimelineLink, MlflowRunLink, SparkUILink
@@ -33,7 +40,9 @@ RESUME_AUTO = "auto"
 RESUME_NEVER = "never"
 # Metadata of every try, each under its own XCom key too (for @task.horovod, whose return_value is
 # the training function's value, and for the UI): ``horovod_<name>``.
-METADATA = ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "duration_s", "metrics")
+METADATA = ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "duration_s", "metrics", "attempts")
+# An executor lost mid-training costs a restart inside the try, at most twice (see max_restarts)
+DEFAULT_OPERATOR_RESTARTS = 2
 METADATA_XCOM_PREFIX = "horovod_"
 SMALL_RESULT_CHARS = 4096  # a result up to this size (as JSON) goes into the asset event extra
 
@@ -103,6 +112,16 @@ class HorovodRunnerOperator(BaseOperator):
         URI; login/password or the extra ``token``; the extra ``experiment``, else the DAG id). The
         driver, never a rank, logs one MLflow run per try: tags, params, every kept report, the
         newest checkpoint and the timeline; an unreachable server is a warning. (templated)
+    :param max_restarts: how many times a try starts its barrier stage again, in the same Airflow try
+        and SparkSession, after an executor, host or barrier task was lost (or a rank was killed by
+        SIGKILL/SIGTERM from outside: the OOM killer, a preemption), resuming from the newest
+        checkpoint version committed so far. An exception of the training function never restarts.
+        2 by default: a restart costs seconds and at most one checkpoint interval, where an Airflow
+        retry costs ``retry_delay``, a new SparkSession and new executors; two cover a second loss
+        while the first is repaired (spot capacity is often lost in pairs), and a cluster that loses
+        more is left to ``retries`` and ``HorovodRetryPolicy``. 0 turns restarts off.
+    :param min_np: the fewest barrier tasks a restart runs on when fewer than ``np`` slots come back
+        within ``start_timeout`` (``runtime.size()`` says how many); ``None`` (default): ``np``. (templated)
     :param progress_interval: seconds between two ``Horovod progress:`` lines in the task log (from
         rank 0's ``runtime.report``); defaults to ``[horovod] progress_interval`` (30).
     :param retry_policy: Airflow's retry policy (AIP-105); by default a ``HorovodRetryPolicy``, which
@@ -122,6 +141,7 @@ class HorovodRunnerOperator(BaseOperator):
         "resume",
         "dataset",
         "mlflow_conn_id",
+        "min_np",
     )
     template_fields_renderers = {"op_args": "py", "op_kwargs": "py", "spark_conf": "json", "env": "json"}
     operator_extra_links = (SparkUILink(), HorovodTimelineLink(), MlflowRunLink())
@@ -151,6 +171,8 @@ class HorovodRunnerOperator(BaseOperator):
         dataset: str | Callable[[Any], Any] | None = None,
         progress_interval: float | None = None,
         mlflow_conn_id: str | None = None,
+        max_restarts: int = DEFAULT_OPERATOR_RESTARTS,
+        min_np: int | str | None = None,
         **kwargs: Any,
     ) -> None:
         if "retry_policy" not in kwargs and "retry_policy" not in (kwargs.get("default_args") or {}):
@@ -160,6 +182,7 @@ class HorovodRunnerOperator(BaseOperator):
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
                       max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline,
                       stall_timeout=stall_timeout)
+        check_restarts(max_restarts, None if _rendered_later(min_np) else min_np, np)
         check_when_parsed(training_callable, np=np, op_args=op_args, op_kwargs=op_kwargs, resume=resume)
         check_dataset(dataset, templated=True)
         if dataset is not None and isinstance(np, int) and np < 0:
@@ -188,6 +211,8 @@ class HorovodRunnerOperator(BaseOperator):
         self.dataset = None if callable(dataset) else dataset
         self.dataset_callable = dataset if callable(dataset) else None
         self.mlflow_conn_id = mlflow_conn_id
+        self.max_restarts = max_restarts
+        self.min_np = min_np
         self.progress_interval = None if progress_interval is None else check_progress_interval(progress_interval)
 
     @cached_property
@@ -341,6 +366,7 @@ class HorovodRunnerOperator(BaseOperator):
                 start_timeout=self.start_timeout, stall_timeout=self.stall_timeout, max_artifact_bytes=self.max_artifact_bytes,
                 max_artifact_files=self.max_artifact_files, keep_checkpoints=self.keep_checkpoints,
                 on_checkpoint=on_checkpoint, dataset=self.dataset_callable or self.dataset, on_report=on_report,
+                max_restarts=self.max_restarts, min_np=validate_min_np(self.min_np, np),
             )
             return result, report, None
         except (HorovodRunError, ArtifactError) as err:  # store what the failed try left, then re-raise
@@ -401,6 +427,7 @@ class HorovodRunnerOperator(BaseOperator):
             "launcher": Launcher(self.launcher).value,
             "try_number": try_number,
             "duration_s": report.duration_s,
+            "attempts": report.attempts,
         }
 
     def _push_metadata(self, context: Context, xcom: dict[str, Any]) -> None:
@@ -418,6 +445,9 @@ class HorovodRunnerOperator(BaseOperator):
             resumed_from.describe() if resumed_from is not None else "nothing (a fresh start)",
             xcom["artifacts_uri"], xcom["checkpoint_uri"] or "none", xcom["timeline_uri"] or "none",
         )
+        if len(report.attempts) > 1:
+            self.log.info("Horovod attempts in this try (restarts after lost infrastructure): %s",
+                          "; ".join(AttemptRecord.from_json(a).describe() for a in report.attempts))
         versions = report.checkpoints
         if versions:
             self.log.info("Checkpoint versions committed during this try: %s",
@@ -468,6 +498,17 @@ def validate_np(np: Any) -> int:
             "got %r. Fix the np argument or the template that renders it." % (np,)
         )
     return value
+
+
+def validate_min_np(min_np: Any, np: int) -> int | None:
+    """``min_np`` as rendered (a template gives a str): an int, or ``None``; a clear error otherwise."""
+    if isinstance(min_np, str):
+        try:
+            min_np = int(min_np.strip())
+        except ValueError:
+            raise ValueError("min_np must render to an int; got %r" % (min_np,)) from None
+    check_restarts(0, min_np, np)
+    return min_np
 
 
 def validate_resume(resume: Any) -> None:

@@ -29,6 +29,7 @@ class Failure:
     tail: tuple[str, ...] = ()  # the rank's last lines of output
     launcher_output: tuple[str, ...] = ()  # mpirun's own words, after the rank's
     consequence: bool = False  # a rank ended because the job was being stopped
+    lost: bool = False  # the driver lost the task: its Python worker, executor or host is gone (restarts)
     time: float = dataclasses.field(default_factory=time.time)
 
     def to_json(self) -> dict[str, Any]:
@@ -54,7 +55,8 @@ class Failure:
                    rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
                    host=text("host"), executor=text("executor"), exception=text("exception"), exit=text("exit"),
                    traceback=text("traceback") or "", tail=lines("tail"), launcher_output=lines("launcher_output"),
-                   consequence=raw.get("consequence") is True, error_class=text("error_class"),
+                   consequence=raw.get("consequence") is True, lost=raw.get("lost") is True,
+                   error_class=text("error_class"),
                    time=when if isinstance(when, float) else time.time())
 
     @property
@@ -170,4 +172,5 @@ class RunReport:
     error: dict[str, Any] | None = None  # the failure report, as JSON
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds since run() began
+    attempts: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # restarts.AttemptRecord, one per stage
     rejected_connections: int = 0

@@ -53,3 +53,21 @@ def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: fl
         raise ValueError("timeline=True records a Horovod timeline, and launcher=%r runs no Horovod. Leave timeline "
                          "off, and profile with torch.profiler inside the training function (save its trace under "
                          "runtime.checkpoint_dir() to get it back)." % str(launcher))
+
+
+def check_restarts(max_restarts: object, min_np: object, np: object = None) -> None:
+    """``max_restarts`` (attempts after one that lost infrastructure) and ``min_np`` (the fewest
+    barrier tasks a restart runs on): a ``ValueError`` that names the fix. ``np``: when known (an
+    int), ``min_np`` must not exceed it."""
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError("max_restarts must be an int >= 0 (0: a lost executor fails the run); got %r" % (max_restarts,))
+    if min_np is None:
+        return
+    if isinstance(min_np, bool) or not isinstance(min_np, int) or min_np < 1:
+        raise ValueError("min_np must be an int >= 1 (the fewest barrier tasks a restart runs on), or None for np; "
+                         "got %r" % (min_np,))
+    if isinstance(np, int) and not isinstance(np, bool):
+        if np < 0:
+            raise ValueError("min_np needs np > 0: np < 0 runs local processes, whose number never shrinks")
+        if min_np > np:
+            raise ValueError("min_np=%d is more than np=%d; give min_np <= np" % (min_np, np))

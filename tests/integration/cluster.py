@@ -117,3 +117,13 @@ class StandaloneCluster:
 
     def stop(self) -> None:
         stop_process_groups(self.procs)
+
+
+def app_session(master: str, conf: dict[str, str], name: str):
+    """A SparkSession on ``master`` with ``conf`` (a scenario's own application on the cluster)."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.master(master).appName(name)
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()

@@ -326,3 +326,54 @@ def uneven_batches_job(batches: int = 6, short_by: int = 2):
             os.replace(runtime.checkpoint_dir() / ".step.txt.tmp", runtime.checkpoint_dir() / "step.txt")
     hvd.allreduce(torch.ones(1), name="epoch_loss")
     return {"start": start}
+
+
+def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horovod", loss: str = "",
+                    losses: int = 1, marker: str = ""):
+    """Rank 0 commits ``step.txt`` each step with ``runtime.commit_checkpoint``; resumes after the step
+    in ``resume_dir()``. In each of the first ``losses`` attempts rank 1 loses its infrastructure
+    after step 3: ``loss="task"`` kills its Spark task's Python worker (SIGKILL, from the rank: a
+    signal the task did not send itself; gloo and torch, whose rank is the task's child); ``loss="jvm"`` writes the pid of the executor JVM hosting
+    it to ``marker`` for the driver to kill, and that attempt then waits for the loss. ``collective``:
+    ``"horovod"`` (mpirun, gloo) or ``"torch"`` (launcher="torch"). Returns where it started."""
+    import psutil
+    import torch
+
+    from airflow_provider_horovod import runtime
+
+    if collective == "torch":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+
+        def allreduce():
+            dist.all_reduce(torch.ones(1))
+    else:
+        import horovod.torch as hvd
+
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+
+        def allreduce():
+            hvd.allreduce(torch.ones(1))
+    resume = runtime.resume_dir()
+    start = int((resume / "step.txt").read_text()) + 1 if resume is not None else 0
+    doomed = loss and runtime.attempt() < losses
+    for step in range(start, steps):
+        allreduce()
+        if rank == 0:
+            (runtime.checkpoint_dir() / "step.txt").write_text(str(step))
+            runtime.commit_checkpoint(step=step)
+        if doomed and step >= start + 3:
+            time.sleep(0.5)  # the version of this step reaches the driver first
+            if rank == 1 and loss == "task":
+                os.kill(os.getppid(), signal.SIGKILL)  # gloo, torch: the rank's parent is its task
+            if rank == 1 and loss == "jvm":
+                java = next(p for p in psutil.Process().parents() if p.name() == "java")
+                with open(marker + ".tmp", "w") as f:
+                    f.write(str(java.pid))
+                os.replace(marker + ".tmp", marker)
+            time.sleep(600)  # the loss ends this attempt
+        time.sleep(pause)
+    return {"start": start, "attempt": runtime.attempt(), "size": size}

@@ -116,6 +116,47 @@ def test_dataset_shards_are_spilled_by_each_executors_task_for_the_rank_beside_i
 
 
 @pytest.fixture(scope="module")
+def restart_runs(cluster, tmp_path_factory):
+    out = tmp_path_factory.mktemp("restart-out")
+    _run_module("tests.integration.scenarios.restart_runs", cluster.master, json.dumps(cluster.app_conf()), str(out),
+                "mpirun", "gloo", "torch")
+    return json.loads((out / "runs.json").read_text())
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo", "torch"])
+def test_an_executor_killed_mid_training_costs_one_restart_of_the_same_run_from_the_newest_committed_version(
+        restart_runs, launcher):
+    got = restart_runs[launcher]
+    lost, restarted = got["attempts"]
+    (kill,) = got["kills"]  # rank 1's executor JVM, SIGKILLed after rank 0 committed step 3 or later
+    assert (lost["ending"], restarted["ending"]) == ("lost", "success")
+    assert lost["cause"].startswith("The barrier task of partition 1 on host hvdhost1") and "died" in lost["cause"]
+    assert restarted["resumed_from"]["step"] >= kill["newest_step"] >= 3  # nothing committed before the loss is lost
+    assert got["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 2}
+    assert 0 < restarted["restart_s"] < 30  # from the loss to the next attempt's ranks starting
+
+
+@pytest.fixture(scope="module")
+def host_loss_run(tmp_path_factory):
+    """A cluster of its own: the worker hosting rank 1 is killed for good."""
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster-host-loss")).start()
+    try:
+        out = tmp_path_factory.mktemp("host-loss-out")
+        _run_module("tests.integration.scenarios.restart_runs", cluster.master, json.dumps(cluster.app_conf()), str(out),
+                    "gloo/host")
+    finally:
+        cluster.stop()
+    return json.loads((out / "runs.json").read_text())["gloo/host"]
+
+
+def test_a_host_gone_for_good_with_min_np_below_np_finishes_on_the_ranks_left(host_loss_run):
+    lost, restarted = host_loss_run["attempts"]
+    assert (lost["np"], lost["ending"], restarted["np"], restarted["ending"]) == (2, "lost", 1, "success")
+    assert restarted["resumed_from"]["step"] >= host_loss_run["kills"][0]["newest_step"] >= 3
+    assert host_loss_run["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 1}
+
+
+@pytest.fixture(scope="module")
 def connect_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("connect-out") / "connect.json"
     _run_module("tests.integration.scenarios.connect_run", str(out))

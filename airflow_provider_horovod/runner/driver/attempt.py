@@ -40,6 +40,7 @@ from airflow_provider_horovod.runner.dataset import DatasetSpec, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
 from airflow_provider_horovod.runner.driver import executors
 from airflow_provider_horovod.runner.driver.channel import Channel, RankOutput
+from airflow_provider_horovod.runner.driver.restarts import Ending, ending_of
 from airflow_provider_horovod.runner.driver.supervisor import (
     Action,
     CutOff,
@@ -106,15 +107,24 @@ class Attempt:
     """One barrier stage of a run (see the module's docstring)."""
 
     def __init__(self, runner: HorovodRunner, run_id: str, payload: bytes, report: RunReport,
-                 staging: Path | None, sink: VersionSink | None) -> None:
+                 staging: Path | None, sink: VersionSink | None, *, number: int = 0,
+                 resume_from: Path | None = None, lost_at: float | None = None) -> None:
         self.runner = runner
-        self.run_id = run_id
+        self.number = number  # 0, then 1, 2, ... after each restart (runtime.attempt())
+        # the first attempt is the run: its id, its job tag; a restart's tasks and folders are its own
+        self.run_id = run_id if number == 0 else "%s-%d" % (run_id, number)
         self.payload = payload
         self.report = report
+        self.np = runner.np  # a restart may run on fewer (min_np): every size below is this one
+        self.resume_from = runner.resume_from if number == 0 else resume_from
+        self.lost_at = lost_at  # when the attempt before lost its infrastructure (monotonic), for the log
+        self.ranks_started_at: float | None = None
+        self.ending: Ending | None = None
+        self._job: tuple[Any, str] | None = None  # (SparkSession, tag) of the stage submitted
         self.events: queue.Queue = queue.Queue()
         self.secret = wire.new_secret()
-        self.channel = Channel(self.secret, run_id=run_id, on_event=self.events.put, artifact_staging=staging,
-                               resume_root=runner.resume_from, limits=runner.artifact_limits, versions=sink,
+        self.channel = Channel(self.secret, run_id=self.run_id, on_event=self.events.put, artifact_staging=staging,
+                               resume_root=self.resume_from, limits=runner.artifact_limits, versions=sink,
                                on_report=runner.on_report,
                                output=RankOutput(stream_all=runner.driver_log_verbosity == "all"))
         self.supervisor: Supervisor | None = None
@@ -124,9 +134,17 @@ class Attempt:
     def run(self) -> Any:
         """Plan, start, supervise and collect: rank 0's return value, or the error that says what happened."""
         spec = self._spec(self.run_id, self.secret, self.payload, None)
-        start = self._run_local if self.runner.np < 0 else self._run_spark
+        start = self._run_local if self.np < 0 else self._run_spark
         self.supervisor = start(spec, self.channel, self.events)
-        return self._outcome(self.supervisor, self.channel)
+        try:
+            value = self._outcome(self.supervisor, self.channel)
+        except BaseException:
+            sup = self.supervisor
+            self.ending = ending_of(cancelled=self.runner._cancelled.is_set(), reason=sup.reason, cause=sup.cause,
+                                    job_error=sup.job_ended.error if sup.job_ended is not None else None)
+            raise
+        self.ending = Ending.SUCCESS
+        return value
 
     def cancel(self) -> None:
         """From any thread: the supervisor stops the ranks; ``run`` then raises ``RunCancelledError``."""
@@ -141,8 +159,22 @@ class Attempt:
     def marks(self) -> dict[str, float]:
         return dict(self.supervisor.marks) if self.supervisor is not None else {}
 
+    @property
+    def ended_at(self) -> float | None:
+        """When the supervisor saw the attempt end (monotonic): its first stop, else its job's end."""
+        sup = self.supervisor
+        mark = None if sup is None else sup.marks.get("stop", sup.marks.get("job-ended"))
+        return None if mark is None else sup.began + mark
+
     def close(self) -> None:
+        """The attempt's end: its channel closes (a task still running takes the hang-up as a cancel
+        and kills its ranks); a Spark job it submitted that has not ended is interrupted, so a
+        restart never runs beside the stage before it."""
         self.channel.close()
+        if self._job is not None and (self.supervisor is None or self.supervisor.job_ended is None):
+            spark, tag = self._job
+            with contextlib.suppress(Exception):
+                spark.interruptTag(tag)
 
     # -- phases ---------------------------------------------------------------------------------
     def _spec(self, run_id: str, secret: bytes, payload: bytes, channel: tuple[str, int] | None) -> RunSpec:
@@ -159,8 +191,9 @@ class Attempt:
             driver_stack=stack_of_this_host(horovod=self.runner.launcher.runs_horovod),
             timeline=self.runner.timeline,
             collect_artifacts=self.runner.artifact_dir is not None,
-            has_resume=self.runner.resume_from is not None,
-            resume_local=str(self.runner.resume_from) if (self.runner.resume_from is not None and self.runner.np < 0) else None,
+            has_resume=self.resume_from is not None,
+            resume_local=str(self.resume_from) if (self.resume_from is not None and self.np < 0) else None,
+            attempt=self.number,
         )
 
     def _run_local(self, spec: RunSpec, channel: Channel, events: queue.Queue) -> Supervisor:
@@ -169,7 +202,8 @@ class Attempt:
         sup = Supervisor(0, coordinated=False, planner=make_plan, deadlines=self.runner.deadlines, now=time.monotonic())
         task = names.TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "local", os.getpid())))
         channel.expect_artifacts_from(task.path)  # the one folder the driver copies artifacts from
-        _in_thread("hvdrunner-local", lambda: run_local(spec, -self.runner.np, task), events)
+        _in_thread("hvdrunner-local", lambda: run_local(spec, -self.np, task), events)
+        self._ranks_started()
 
         def act(action: Action) -> None:
             if isinstance(action, (Stop, CutOff)):
@@ -183,10 +217,12 @@ class Attempt:
     def _run_spark(self, spec: RunSpec, channel: Channel, events: queue.Queue) -> Supervisor:
         spark = self.runner.session()
         self._check_conf(spark)
+        if self.number > 0:
+            self.np = self._slots_for_restart(spark)
         source, dataset = self._input(spark)
         self._wait_for_slots(spark)
         address = channel.start(self._driver_host(spark))
-        if address is None and self.runner.resume_from is not None:
+        if address is None and self.resume_from is not None:
             raise HorovodRunError("resume_from needs the executors to reach the driver, and this driver cannot listen "
                                   "for them. Put the checkpoint where the training function can read it instead.")
         spec = dataclasses.replace(spec, channel=address, dataset=dataset)
@@ -209,8 +245,9 @@ class Attempt:
                     spark.removeTag(tag)
 
         planner = functools.partial(checked_plan, spec.driver_python, spec.driver_stack)
-        sup = Supervisor(self.runner.np, coordinated=address is not None, planner=planner, deadlines=self.runner.deadlines,
+        sup = Supervisor(self.np, coordinated=address is not None, planner=planner, deadlines=self.runner.deadlines,
                          now=time.monotonic())
+        self._job = (spark, tag)
         _in_thread("hvdrunner-job-%s" % spec.run_id, collect, events)
 
         def act(action: Action) -> None:
@@ -220,6 +257,7 @@ class Attempt:
                 channel.send_tasks(messages.Planned(action.plan))
             elif isinstance(action, SendStart):
                 channel.send_tasks(messages.Start())
+                self._ranks_started()
             elif isinstance(action, Release):
                 channel.send_tasks(messages.Release())
             elif isinstance(action, Stop):
@@ -239,8 +277,8 @@ class Attempt:
     def _input(self, spark: Any) -> tuple[Any, DatasetSpec | None]:
         """The barrier stage's input: ``np`` rows, or the dataset in ``np`` balanced partitions."""
         if self.runner.dataset is None:
-            return spark.range(self.runner.np, numPartitions=self.runner.np), None
-        source, spec = prepare_dataset(spark, self.runner.dataset, self.runner.np)
+            return spark.range(self.np, numPartitions=self.np), None
+        source, spec = prepare_dataset(spark, self.runner.dataset, self.np)
         log.info("Dataset %s: %d rows in %d shards of %d to %d rows", describe_dataset(self.runner.dataset), spec.total_rows,
                  spec.shards, spec.shard_rows(spec.shards - 1), spec.shard_rows(0))
         return source, spec
@@ -277,7 +315,7 @@ class Attempt:
         if sup.reason == "timeout":
             raise InsufficientSlotsError(
                 "Only %d of %d barrier tasks started within start_timeout=%ss. The cluster has %s; "
-                "lower np or add executors." % (len(sup.started), self.runner.np, self.runner.start_timeout, self._slots_text())
+                "lower np or add executors." % (len(sup.started), self.np, self.runner.start_timeout, self._slots_text())
             )
         if sup.cause is not None:
             raise self._error(sup.cause, channel, sup.failures)
@@ -288,7 +326,7 @@ class Attempt:
             if isinstance(job.error, TaskFailure):
                 raise self._error(job.error.failure, channel) from None
             raise self._spark_error(job.error, channel) from None
-        if self.runner.np < 0:
+        if self.np < 0:
             return cloudpickle.loads(job.value)
         return self._collect(job.value, channel)
 
@@ -318,23 +356,51 @@ class Attempt:
         """Until the cluster has ``np`` barrier slots (executors that register late, slots other jobs
         hold), within ``start_timeout``; the log says what it waits for and how long it took."""
         self.slots = self._available_slots(spark)
-        if self.slots is None or self.slots >= self.runner.np:
+        if self.slots is None or self.slots >= self.np:
             return
         log.info("Waiting up to start_timeout=%gs for %d barrier slots: the cluster has %d now (executors still "
-                 "registering, or slots other jobs hold)", self.runner.start_timeout, self.runner.np, self.slots)
+                 "registering, or slots other jobs hold)", self.runner.start_timeout, self.np, self.slots)
         started = time.monotonic()
         deadline = started + self.runner.start_timeout
-        while self.slots < self.runner.np:
-            if time.monotonic() > deadline or self.runner._cancelled.is_set():
+        while self.slots < self.np:
+            if self.runner._cancelled.is_set():
+                raise RunCancelledError("The Horovod job was cancelled while it waited for barrier slots.")
+            if time.monotonic() > deadline:
                 raise InsufficientSlotsError(
                     "np=%d needs %d barrier slots, but the cluster has %d (executor cores / "
                     "spark.task.cpus, and GPUs per task where set) after waiting start_timeout=%gs. "
                     "Lower np, add executors, or raise start_timeout when other jobs hold the slots."
-                    % (self.runner.np, self.runner.np, self.slots, self.runner.start_timeout)
+                    % (self.np, self.np, self.slots, self.runner.start_timeout)
                 )
             time.sleep(0.5)
             self.slots = self._available_slots(spark) or 0
         log.info("The cluster has %d barrier slots after waiting %.1f s for them", self.slots, time.monotonic() - started)
+
+    def _slots_for_restart(self, spark: Any) -> int:
+        """A restart's size: ``np`` when that many slots come back within ``start_timeout``; else what
+        there is, when that is at least ``min_np``; else ``InsufficientSlotsError``."""
+        deadline = time.monotonic() + self.runner.start_timeout
+        slots = self._available_slots(spark)
+        while slots is not None and slots < self.np and time.monotonic() < deadline and not self.runner._cancelled.is_set():
+            time.sleep(0.5)
+            slots = self._available_slots(spark)
+        size = self.runner.restarts.next_np(self.np, slots)
+        if size is None:
+            raise InsufficientSlotsError(
+                "Only %d of np=%d barrier slots came back within start_timeout=%gs after the loss, fewer than "
+                "min_np=%s. Add executors, or lower min_np to restart on what is left."
+                % (slots or 0, self.np, self.runner.start_timeout, self.runner.restarts.min_np or self.np))
+        if size < self.np:
+            log.warning("Attempt %d runs on %d of np=%d barrier tasks (min_np=%d): only %d slots came back within "
+                        "start_timeout=%gs", self.number, size, self.np, self.runner.restarts.min_np, slots,
+                        self.runner.start_timeout)
+        return size
+
+    def _ranks_started(self) -> None:
+        self.ranks_started_at = time.monotonic()
+        if self.number > 0 and self.lost_at is not None:
+            log.info("Attempt %d of run %s: its %d ranks start %.1f s after the loss that ended attempt %d",
+                     self.number, self.report.run_id, abs(self.np), self.ranks_started_at - self.lost_at, self.number - 1)
 
     def _slots_text(self) -> str:
         return "%d slots available" % self.slots if self.slots is not None else "an unknown number of slots"

@@ -4,6 +4,7 @@ attempt (one barrier stage, ``attempt.py``) and commits what rank 0 handed over 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_horovod.exceptions import ArtifactError, RunCancelledError
+from airflow_provider_horovod.exceptions import ArtifactError, HorovodRunError, RunCancelledError
 from airflow_provider_horovod.runner.driver.artifact_dir import check_writable, commit
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
@@ -26,14 +27,37 @@ from airflow_provider_horovod.runner.driver.supervisor import Deadlines, Upload
 from airflow_provider_horovod.runner.environment import require_training_stack
 from airflow_provider_horovod.runner.events import RunReport, RunStatus
 from airflow_provider_horovod.runner.messages import Report
-from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, DEFAULT_START_TIMEOUT_S, Launcher, check_options
+from airflow_provider_horovod.runner.driver.restarts import (
+    AttemptRecord,
+    Ending,
+    RestartPolicy,
+    attempts_text,
+    resumed_text,
+)
+from airflow_provider_horovod.runner.options import (
+    DEFAULT_STALL_TIMEOUT_S,
+    DEFAULT_START_TIMEOUT_S,
+    Launcher,
+    check_options,
+    check_restarts,
+)
 from airflow_provider_horovod.runner.payload import build_payload, describe
 from airflow_provider_horovod.runner.stall import whole_seconds
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, Version, VersionSink, check_keep
 from airflow_provider_horovod.runner.versions import committed as committed_versions
+from airflow_provider_horovod.runner.versions import newest as newest_version
+from airflow_provider_horovod.runner.text import one_line
 
 log = logging.getLogger(__name__)
 
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    """A restart's view of a committed version: hard links (versions are never written again), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 class HorovodRunner:
@@ -74,6 +98,14 @@ class HorovodRunner:
         It becomes the barrier stage's input in ``np`` partitions whose sizes differ by at most one
         row; each task spills its partition to a local Arrow file, which its rank reads with
         ``runtime.dataset()``. Checked on the driver before any rank starts (``DatasetError``).
+    :param max_restarts: how many times the run starts a new attempt (barrier stage) after one ended
+        by lost infrastructure: a barrier task, executor or host lost, a rank killed by a signal from
+        outside (SIGKILL, SIGTERM, SIGHUP, SIGINT). The next attempt runs in the same ``run()`` and
+        SparkSession and resumes from the newest checkpoint version committed in ``artifact_dir``
+        (``runtime.resume_dir()``; ``runtime.attempt()`` says which attempt it is). An exception of
+        the training function, a payload, environment or dataset error never restarts. 0 by default.
+    :param min_np: the fewest barrier tasks a restart runs on when fewer than ``np`` slots come back
+        within ``start_timeout`` (``runtime.size()`` follows); ``None`` (default): ``np``, always.
     """
 
     def __init__(
@@ -95,6 +127,8 @@ class HorovodRunner:
         on_checkpoint: Callable[[Version, Path], None] | None = None,
         dataset: Any = None,
         on_report: Callable[[Report], None] | None = None,
+        max_restarts: int = 0,
+        min_np: int | None = None,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise ValueError("np must be a non-zero int (np > 0: barrier tasks, np < 0: local processes); got %r" % (np,))
@@ -108,6 +142,7 @@ class HorovodRunner:
         if bad:
             raise ValueError("env must map str to str; fix %s" % ", ".join(map(repr, bad)))
         check_dataset(dataset)
+        check_restarts(max_restarts, min_np, np)
         if dataset is not None and np < 0:
             raise ValueError("dataset= needs np > 0: the dataset reaches the ranks through the barrier stage, and "
                              "np < 0 runs no Spark job. Use np > 0 (local[N] Spark runs on this machine too).")
@@ -128,10 +163,12 @@ class HorovodRunner:
         self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else None
         self.resume_from = Path(resume_from).resolve() if resume_from is not None else None
         self.dataset = dataset
+        self.restarts = RestartPolicy(max_restarts=max_restarts, min_np=min_np)
         self._spark = spark
         self._cancelled = threading.Event()
         self._interrupt: BaseException | None = None  # an exception raised into run() while supervising
         self._attempt: Attempt | None = None  # the barrier stage running now
+        self._last: Attempt | None = None  # the newest attempt of the run: the one whose hand-over is committed
         self.last_run = RunReport(run_id="", np=np, launcher=self.launcher, status=RunStatus.NOT_STARTED)
 
     # -- public ---------------------------------------------------------------------------------
@@ -144,6 +181,7 @@ class HorovodRunner:
             raise ValueError("timeline=True needs an artifact_dir to bring the timeline back to")
         self._cancelled.clear()
         self._interrupt = None
+        self._last = None
         run_id = uuid.uuid4().hex[:12]
         started = time.monotonic()
         report = self.last_run = RunReport(run_id=run_id, np=self.np, launcher=self.launcher,
@@ -153,14 +191,11 @@ class HorovodRunner:
         staging = artifact_dir / (".incoming-%s" % run_id) if artifact_dir else None
         sink = VersionSink(artifact_dir, keep=self.keep_checkpoints, limits=self.artifact_limits,
                            on_commit=self.on_checkpoint) if artifact_dir else None
-        attempt = self._attempt = Attempt(self, run_id, payload, report, staging, sink)
-        if self._cancelled.is_set():
-            attempt.cancel()
         result = None
         try:
             with self._signals():
                 try:
-                    result = attempt.run()
+                    result = self._attempts(run_id, payload, report, staging, sink, started)
                     report.status = RunStatus.SUCCESS
                 except RunCancelledError:
                     report.status = RunStatus.CANCELLED
@@ -171,17 +206,97 @@ class HorovodRunner:
                     report.status = RunStatus.FAILED
                     raise
                 finally:
-                    attempt.close()
-                    self._attempt = None
-                    report.events = attempt.channel.recorded()
-                    report.rejected_connections = attempt.channel.rejected
                     report.duration_s = round(time.monotonic() - started, 3)
-                    report.phases = attempt.marks
         finally:
-            if artifact_dir is not None and staging is not None:
-                self._commit(artifact_dir, staging, attempt.channel, attempt.upload, report, result, sink)
+            last = self._last
+            if artifact_dir is not None and staging is not None and last is not None:
+                self._commit(artifact_dir, staging, last.channel, last.upload, report, result, sink)
+            if artifact_dir is not None:
+                shutil.rmtree(self._resume_copies(artifact_dir), ignore_errors=True)
         report.result = result
         return result
+
+    def _attempts(self, run_id: str, payload: bytes, report: RunReport, staging: Path | None,
+                  sink: VersionSink | None, started: float) -> Any:
+        """Attempt after attempt until one returns rank 0's value or ends in a way no restart fixes
+        (``restarts.RestartPolicy``); every attempt is in ``report.attempts`` and the task log."""
+        resume: Path | None = None
+        resumed: dict[str, Any] | None = None
+        lost_at: float | None = None
+        for number in itertools.count():
+            attempt = self._attempt = self._last = Attempt(self, run_id, payload, report, staging, sink, number=number,
+                                                           resume_from=resume, lost_at=lost_at)
+            if number == 0 and attempt.resume_from is not None:
+                resumed = {"path": str(attempt.resume_from)}
+            record = AttemptRecord(number=number, np=attempt.np, started_s=round(time.monotonic() - started, 3),
+                                   resumed_from=resumed)
+            report.attempts.append(record.to_json())
+            if self._cancelled.is_set():
+                attempt.cancel()
+            try:
+                return attempt.run()
+            except BaseException as err:
+                record.cause = one_line(str(err).split("\n", 1)[0]) or type(err).__name__
+                record.ending = attempt.ending or Ending.FAILED
+                if not (attempt.ending and self.restarts.restarts(attempt.ending, number)):
+                    self._name_attempts(err, report, record)
+                    raise
+                if self._cancelled.is_set():
+                    raise RunCancelledError("The Horovod job was cancelled while it restarted; every rank was stopped.") from err
+                lost_at = attempt.ended_at or time.monotonic()
+                resume, resumed = self._resume_point(sink, number + 1)
+                log.warning("Attempt %d of run %s lost its infrastructure (%s); restart %d of max_restarts=%d resumes "
+                            "from %s", number, run_id, record.cause, number + 1, self.restarts.max_restarts,
+                            resumed_text(resumed) if resumed else "the start: no checkpoint version was committed")
+                if staging is not None:  # what rank 0 handed over at the loss: the next attempt hands over its own
+                    shutil.rmtree(staging, ignore_errors=True)
+            finally:
+                attempt.close()
+                self._attempt = None
+                self._record(report, record, attempt, started)
+        raise AssertionError("unreachable")
+
+    def _name_attempts(self, err: BaseException, report: RunReport, record: AttemptRecord) -> None:
+        """The run's error, after restarts: it also names every attempt and why it ended."""
+        if len(report.attempts) < 2 or not isinstance(err, HorovodRunError) or not err.args:
+            return
+        records = [AttemptRecord.from_json(r) for r in report.attempts[:-1]]
+        err.args = ("%s\n\n%s" % (err.args[0], attempts_text([*records, record], self.restarts.max_restarts)),
+                    *err.args[1:])
+
+    @staticmethod
+    def _record(report: RunReport, record: AttemptRecord, attempt: Attempt, started: float) -> None:
+        """The attempt's end in the report and the task log: its record, its channel's events, its phases."""
+        record.ending = attempt.ending or record.ending or Ending.FAILED
+        record.np = attempt.np
+        record.duration_s = round(time.monotonic() - started - record.started_s, 3)
+        if attempt.lost_at is not None and attempt.ranks_started_at is not None:
+            record.restart_s = round(attempt.ranks_started_at - attempt.lost_at, 3)
+        report.attempts[-1] = record.to_json()
+        report.events += attempt.channel.recorded()
+        report.rejected_connections += attempt.channel.rejected
+        report.phases = attempt.marks
+        if len(report.attempts) > 1 or record.ending != Ending.SUCCESS:
+            log.info("Run %s, %s", report.run_id, record.describe())
+
+    def _resume_point(self, sink: VersionSink | None, number: int) -> tuple[Path | None, dict[str, Any] | None]:
+        """Where a restart resumes: the newest version the driver committed, hard-linked into a folder
+        of the restart's own (pruning may remove the version while its ranks read it); else the
+        run's own ``resume_from``."""
+        found = None
+        if sink is not None:
+            with sink.lock:  # a version being committed comes first
+                found = newest_version(sink.artifact_dir)
+                if found is not None:
+                    copy = self._resume_copies(sink.artifact_dir) / str(number)
+                    shutil.copytree(found[1], copy, copy_function=_link_or_copy)
+        if found is None:
+            return self.resume_from, {"path": str(self.resume_from)} if self.resume_from is not None else None
+        return copy, {"seq": found[0].seq, "step": found[0].step}
+
+    @staticmethod
+    def _resume_copies(artifact_dir: Path) -> Path:
+        return artifact_dir / ".resume"
 
     def cancel(self) -> None:
         """Interrupt the running job from any thread; every rank process goes with it."""

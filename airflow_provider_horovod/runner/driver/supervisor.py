@@ -148,6 +148,11 @@ class Supervisor:
 
     # -- the verdict -----------------------------------------------------------------------------
     @property
+    def began(self) -> float:
+        """The time the run started (the clock of every call's ``now``; ``marks`` count from it)."""
+        return self._began
+
+    @property
     def done(self) -> bool:
         return self.phase == Phase.ENDED
 
@@ -248,7 +253,7 @@ class Supervisor:
         host = slot.hostname if slot is not None else None
         where = "" if executor is None else " on %s(executor %s)" % ("host %s " % host if host else "", executor)
         return Failure("The barrier task of partition %d%s died: its Python worker, its executor or that machine "
-                       "is gone." % (partition, where), host=host, executor=executor)
+                       "is gone." % (partition, where), host=host, executor=executor, lost=True)
 
     def _on_failure(self, failure: Failure, now: float) -> list[Action]:
         self.failures.append(failure)

@@ -69,6 +69,7 @@ class RunSpec:
     has_resume: bool = False
     resume_local: str | None = None  # np < 0: the folder itself, on the driver
     dataset: DatasetSpec | None = None  # dataset=: each task spills its partition for its rank
+    attempt: int = 0  # which attempt of the run (runtime.attempt())
 
 
 def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
@@ -97,6 +98,7 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
             names.ENV_VERBOSITY: spec.verbosity,
             names.ENV_TIMELINE: "1" if spec.timeline else "0",
             names.ENV_HAS_RESUME: "1" if spec.has_resume and not spec.resume_local else "0",
+            names.ENV_ATTEMPT: str(spec.attempt),
             "PYTHONUNBUFFERED": "1",
         }
     )

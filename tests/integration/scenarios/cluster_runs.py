@@ -15,15 +15,11 @@ DATASET_ROWS = 101  # odd: the two shards differ by one row
 
 def main() -> None:
     master, conf, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    from pyspark.sql import SparkSession
-
     from airflow_provider_horovod import HorovodRunner
     from tests.integration import dataset_jobs, jobs, torch_jobs
+    from tests.integration.cluster import app_session
 
-    builder = SparkSession.builder.master(master).appName("hvdrunner-cluster-tests")
-    for key, value in conf.items():
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    spark = app_session(master, conf, "hvdrunner-cluster-tests")
     results = {}
     try:
         for launcher in ("mpirun", "gloo"):

@@ -10,7 +10,7 @@ from airflow_provider_horovod.decorators.horovod import horovod_task
 from airflow_provider_horovod.exceptions import DatasetError, PayloadError
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.links import HorovodTimelineLink, MlflowRunLink, SparkUILink
-from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator, _ranks_text, validate_np
+from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator, _ranks_text, validate_min_np, validate_np
 
 
 def train(lr: float, epochs: int = 1):
@@ -46,6 +46,8 @@ def test_templated_fields_render_from_the_context():
     ("start_timeout", "120", "start_timeout must be a positive number of seconds"),
     ("max_artifact_bytes", 0, "max_artifact_bytes must be a positive int"),
     ("max_artifact_files", 2.5, "max_artifact_files must be a positive int"),
+    ("max_restarts", -1, "max_restarts must be an int >= 0"),
+    ("min_np", 3, "min_np=3 is more than np=2"),
 ])
 def test_engine_options_are_checked_when_the_dag_is_parsed(option, value, message):
     with pytest.raises(ValueError, match=message):
@@ -159,6 +161,23 @@ def test_task_horovod_is_registered_and_builds_the_operator():
     assert op.training_callable.__name__ == "fit"
     assert (list(op.op_args), op.op_kwargs) == ([0.5], {"epochs": 3})
     assert "np" in op.template_fields and "op_kwargs" in op.template_fields
+
+
+def test_restarts_are_on_by_default_in_the_operator_and_min_np_is_templated_and_checked_after_rendering():
+    with DAG("d", schedule=None) as dag:
+
+        @task.horovod(np=4, min_np="{{ params.fewest }}")
+        def fit():
+            return 1
+
+        fit()
+
+    (op,) = dag.tasks
+    assert (op.max_restarts, op.min_np) == (2, "{{ params.fewest }}") and "min_np" in op.template_fields
+    op.render_template_fields({"params": {"fewest": 2}})
+    assert validate_min_np(op.min_np, 4) == 2
+    with pytest.raises(ValueError, match="min_np must render to an int; got 'two'"):
+        validate_min_np("two", 4)
 
 
 def test_dataset_query_is_templated_and_reaches_task_horovod():

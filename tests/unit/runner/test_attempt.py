@@ -9,9 +9,11 @@ import cloudpickle
 import pytest
 
 from airflow_provider_horovod import HorovodRunError, HorovodRunner, InsufficientSlotsError, RunCancelledError
+from airflow_provider_horovod.runner import wire
 from airflow_provider_horovod.runner.driver.attempt import Attempt
 from airflow_provider_horovod.runner.events import Failure, JobEnded, RunReport
 from airflow_provider_horovod.runner.task.barrier import TaskFailure, result_rows
+from tests.security.attacker import settle
 
 
 def attempt(np: int = 2, **options) -> Attempt:
@@ -27,6 +29,19 @@ def ended(reason: str | None = None, cause: Failure | None = None, job: JobEnded
 def test_each_attempt_has_its_own_secret_and_channel():
     first, second = attempt(), attempt()
     assert first.secret != second.secret and first.channel is not second.channel
+
+
+def test_a_late_task_of_a_lost_attempt_is_refused_by_the_next_attempts_channel():
+    lost, restart = attempt(), attempt()
+    restart = Attempt(restart.runner, "r1", b"payload", restart.report, None, None, number=1)
+    address = restart.channel.start("127.0.0.1")
+    try:
+        with pytest.raises(ConnectionError):
+            wire.connect(address, wire.Credentials.of(lost.secret, wire.ROLE_TASK), timeout=3)
+        assert settle(lambda: restart.channel.rejected == 1)
+        assert restart.run_id == "r1-1"  # its own task folders and job tag
+    finally:
+        restart.close()
 
 
 def test_a_cancel_is_a_cancel_whatever_else_ended():

@@ -1,0 +1,128 @@
+"""The restart policy: how an attempt ended, and whether the run starts another one.
+
+Pure functions of what the supervisor decided (no clock, no Spark), as Ray Train's
+``failure_handling/default.py`` decides RESTART or RAISE: an attempt ended by lost infrastructure
+(a barrier task lost, an executor or host gone, a rank killed by a signal from outside) restarts
+within ``max_restarts``, from the newest committed version; anything else ends the run as it ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import signal
+from typing import Any
+
+from airflow_provider_horovod.runner.events import Failure
+
+
+class Ending(enum.StrEnum):
+    """How one attempt ended (``RunReport.attempts[i]["ending"]``)."""
+
+    SUCCESS = "success"
+    LOST = "lost"  # lost infrastructure: the only ending that restarts
+    FAILED = "failed"  # the training function, its payload, environment or dataset: never restarts
+    CANCELLED = "cancelled"
+
+
+# Signals a process receives from outside: the kernel's OOM killer, a node drain, a preemption, a
+# lost terminal. A crash of the process's own (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) is a bug:
+# it would crash again.
+EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
+_KILLED_BY = re.compile(r"\bkilled by (SIG[A-Z0-9]+)\b")
+# Spark's own words for a task whose executor went away (a job failure no task explained)
+_SPARK_LOST = re.compile(r"ExecutorLostFailure|Executor heartbeat timed out|worker lost|Remote RPC client disassociated",
+                         re.IGNORECASE)
+
+
+def killed_from_outside(failure: Failure) -> bool:
+    """The rank (or its daemon) was killed by a signal it did not raise itself."""
+    found = _KILLED_BY.search(failure.exit or "")
+    return found is not None and found.group(1) in {s.name for s in EXTERNAL_SIGNALS}
+
+
+def is_lost(failure: Failure) -> bool:
+    """``failure`` is lost infrastructure: a task the channel lost (its worker, executor or host
+    gone), or a process killed from outside."""
+    return failure.lost or killed_from_outside(failure)
+
+
+def ending_of(*, cancelled: bool, reason: str | None, cause: Failure | None, job_error: BaseException | None) -> Ending:
+    """How an attempt that did not succeed ended: ``cause`` is the supervisor's (the first failure
+    that does not follow from another); without one, Spark's own error of the job decides."""
+    if cancelled or reason == "cancel":
+        return Ending.CANCELLED
+    if cause is not None:
+        return Ending.LOST if is_lost(cause) else Ending.FAILED
+    if reason is None and job_error is not None and _SPARK_LOST.search(str(job_error)):
+        return Ending.LOST
+    return Ending.FAILED
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """``max_restarts``: how many attempts may follow one that lost infrastructure; ``min_np``: the
+    fewest barrier tasks a restart runs on when fewer than ``np`` slots come back (``np`` by default)."""
+
+    max_restarts: int = 0
+    min_np: int | None = None
+
+    def restarts(self, ending: Ending, restarts_done: int) -> bool:
+        return ending == Ending.LOST and restarts_done < self.max_restarts
+
+    def next_np(self, np: int, slots: int | None) -> int | None:
+        """The size of the next attempt given the ``slots`` there are after the bounded wait: ``np``
+        when they are enough (or unknown), what there is when that is at least ``min_np``, else
+        ``None`` (too few: the run fails as a first attempt would)."""
+        if slots is None or slots >= np:
+            return np
+        return slots if slots >= (self.min_np or np) else None
+
+
+@dataclasses.dataclass
+class AttemptRecord:
+    """One attempt of a run, as the task log, ``last_run.attempts``, the XCom and the view show it."""
+
+    number: int  # 0, 1, ...: ``runtime.attempt()`` inside its ranks
+    np: int
+    started_s: float  # seconds since run() began
+    resumed_from: dict[str, Any] | None = None  # {"seq", "step"} of the driver's version, or {"path"}
+    restart_s: float | None = None  # from the loss that ended the attempt before to this one's ranks starting
+    ending: Ending | None = None
+    cause: str | None = None  # the one line that says why it ended (None: it succeeded)
+    duration_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["ending"] = None if self.ending is None else self.ending.value
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> AttemptRecord:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        record = cls(**{k: v for k, v in raw.items() if k in fields})
+        record.ending = None if record.ending is None else Ending(record.ending)
+        return record
+
+    def describe(self) -> str:
+        """``attempt 1 (2 ranks, resumed from version 3, step 7): lost: The barrier task ... died``."""
+        what = "%d rank%s" % (abs(self.np), "" if abs(self.np) == 1 else "s")
+        if self.resumed_from:
+            what += ", resumed from %s" % resumed_text(self.resumed_from)
+        return "attempt %d (%s): %s%s" % (self.number, what, self.ending or "running",
+                                          ": %s" % self.cause if self.cause else "")
+
+
+def resumed_text(resumed_from: dict[str, Any]) -> str:
+    if "seq" in resumed_from:
+        return "version %s (step %s)" % (resumed_from["seq"], resumed_from.get("step"))
+    return str(resumed_from.get("path"))
+
+
+def attempts_text(records: list[AttemptRecord], max_restarts: int) -> str:
+    """What the error of a run with restarts ends with: every attempt and why it ended."""
+    lines = ["The run made %d attempt%s (max_restarts=%d):" % (len(records), "" if len(records) == 1 else "s",
+                                                               max_restarts)]
+    lines += ["  %s" % record.describe() for record in records]
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""The executor JVM hosting rank 1 is SIGKILLed mid-training on a standalone cluster; the same
+``run()`` restarts from the newest committed version (its own SparkSession, in its own process).
+
+usage: python -m tests.integration.scenarios.restart_runs MASTER CONF_JSON OUT_DIR LAUNCHER[/host]...
+
+``LAUNCHER/host``: the worker that started that executor is killed too (a host gone for good); the
+run has ``min_np=1`` and restarts on the one slot left.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def kill_when_told(marker: Path, committed: list[int], done: threading.Event, host: bool) -> list[dict]:
+    """Start a thread that SIGKILLs the pid rank 1 writes to ``marker`` (its executor's JVM; with
+    ``host``, first the standalone worker that started it), each time it does; returns the kills
+    (pid, the newest step committed before)."""
+    import psutil
+
+    kills: list[dict] = []
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            if marker.exists():
+                pid = int(marker.read_text())
+                marker.unlink()
+                kills.append({"pid": pid, "newest_step": max((s for s in committed if s is not None), default=None)})
+                if host:
+                    os.kill(psutil.Process(pid).ppid(), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return kills
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    master, conf, out, launchers = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+    from airflow_provider_horovod import HorovodRunner
+    from tests.integration import jobs
+    from tests.integration.cluster import app_session
+
+    spark = app_session(master, conf, "hvdrunner-restart-tests")
+    results = {}
+    try:
+        for name in launchers:
+            launcher, host = name.split("/")[0], name.endswith("/host")
+            committed: list[int] = []
+            done = threading.Event()
+            marker = out / ("jvm-%s" % launcher)
+            kills = kill_when_told(marker, committed, done, host)
+            runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=out / launcher, max_restarts=1,
+                                   min_np=1 if host else None, start_timeout=10 if host else 60,
+                                   on_checkpoint=lambda version, _path: committed.append(version.step))
+            began = time.monotonic()
+            try:
+                result = runner.run(jobs.restartable_job, loss="jvm", marker=str(marker),
+                                    collective="torch" if launcher == "torch" else "horovod")
+            finally:
+                done.set()
+            results[name] = {"result": result, "kills": kills, "attempts": runner.last_run.attempts,
+                                 "seconds": time.monotonic() - began}
+    finally:
+        spark.stop()
+    (out / "runs.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Restarts inside the same ``run()`` on the shared ``local[2]`` session: a rank kills its barrier
+task's Python worker (the driver's channel loses the task, as when an executor or host goes). The
+executor JVM killed on a standalone cluster is in tests/integration/test_cluster.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from airflow_provider_horovod import HorovodRunError, HorovodRunner, RunCancelledError
+from airflow_provider_horovod.runner.versions import committed
+from tests.integration import jobs
+
+pytestmark = pytest.mark.slow
+
+
+def test_restarts_run_out_with_an_error_naming_every_attempts_cause_and_the_versions_stay(spark, tmp_path,
+                                                                                          no_leftover_processes):
+    runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=tmp_path, max_restarts=1)
+    with pytest.raises(HorovodRunError) as info:
+        runner.run(jobs.restartable_job, loss="task", losses=2)
+    text = str(info.value)
+    assert "The run made 2 attempts (max_restarts=1):" in text
+    assert "  attempt 0 (2 ranks): lost: The barrier task of partition 1" in text
+    assert "  attempt 1 (2 ranks, resumed from version " in text and text.count("died") >= 3
+    first, second = runner.last_run.attempts
+    assert (first["ending"], second["ending"]) == ("lost", "lost")
+    steps = [v["step"] for v in runner.last_run.checkpoints if v["step"] is not None]
+    assert second["resumed_from"]["step"] >= 3 and max(steps) >= second["resumed_from"]["step"] + 3
+    assert committed(tmp_path)[-1][0].step == max(steps)  # the newest version is still there, on the driver
+
+
+def test_a_user_exception_fails_once_and_never_restarts(spark, no_leftover_processes):
+    runner = HorovodRunner(2, launcher="gloo", spark=spark, max_restarts=2)
+    with pytest.raises(HorovodRunError, match="boom from rank 1") as info:
+        runner.run(jobs.failing_job, fail_rank=1)
+    assert [a["ending"] for a in runner.last_run.attempts] == ["failed"]
+    assert "attempts" not in str(info.value)
+
+
+def test_a_cancel_during_a_restart_leaves_no_process(spark, tmp_path, no_leftover_processes):
+    runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=tmp_path, max_restarts=3)
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _run_into(errors, runner, jobs.restartable_job, loss="task", losses=3))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(runner.last_run.attempts) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(runner.last_run.attempts) == 2, "the first attempt was never lost"
+    runner.cancel()  # the second attempt is starting: its Spark job, its tasks, perhaps its ranks
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], RunCancelledError)
+    assert [a["ending"] for a in runner.last_run.attempts] == ["lost", "cancelled"]
+
+
+def _run_into(errors: list[BaseException], runner: HorovodRunner, job, **kwargs) -> None:
+    try:
+        runner.run(job, **kwargs)
+    except BaseException as err:  # noqa: BLE001
+        errors.append(err)

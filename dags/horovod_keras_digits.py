@@ -18,10 +18,13 @@ and tf-keras, and a Horovod built with TensorFlow). ``tf.keras`` here is Keras 2
 runner sets ``TF_USE_LEGACY_KERAS=1`` for every rank. Keras 3 (``import keras``) is refused with an
 error, because Horovod trains it silently wrong (see docs/how-to.md).
 
-To watch a retry resume, trigger the DAG with ``{"fail_first_try_after_epoch": 3}``: the first try's
-ranks are killed once its epoch-3 checkpoint is saved, as a lost machine's would be;
-``HorovodRetryPolicy`` retries that (an exception of the training function it would not retry: the
-next try would raise it again), and the retry loads the checkpoint and trains on to ``epochs``.
+To watch a recovery, trigger the DAG with ``{"fail_first_try_after_epoch": 3}``: the ranks are
+killed once the epoch-3 checkpoint is saved, as a lost machine's would be. The runner starts the
+barrier stage again inside the same try (``max_restarts``, 2 by default), from the newest checkpoint
+version the driver committed, and trains on to ``epochs``: the task succeeds in its first try, with
+two attempts (the ``horovod_attempts`` XCom, the task log). Were the restarts used up,
+``HorovodRetryPolicy`` would retry the task after 5 s (an exception of the training function it
+would not retry: the next try would raise it again), and that retry would resume the same way.
 
 ``evaluate`` gets ``train``'s return value and the checkpoint's URI (the ``horovod_checkpoint_uri``
 XCom of the same task), loads the checkpoint with tf-keras and fails below 90 % held-out accuracy.

@@ -135,28 +135,26 @@ def test_retrain_example_fine_tunes_from_the_published_checkpoint(airflow):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="needs scripts/setup --with tensorflow")
-def test_keras_digits_example_retries_from_its_checkpoint_and_reaches_the_accuracy(airflow):
+def test_keras_digits_example_restarts_from_its_checkpoint_in_the_same_try_and_reaches_the_accuracy(airflow):
     import h5py
 
     proc = airflow.dags_test("horovod_keras_digits", "--conf", json.dumps({"fail_first_try_after_epoch": 3}),
                              timeout=KERAS_DAG_TIMEOUT_S)
     assert proc.returncode == 0, explain(proc)
-    assert airflow.task_states("horovod_keras_digits") == {"train": ("success", 2), "evaluate": ("success", 1)}
+    assert airflow.task_states("horovod_keras_digits") == {"train": ("success", 1), "evaluate": ("success", 1)}
     trained = airflow.xcom("horovod_keras_digits", "train")  # @task.horovod: the function's value
     assert (trained["resumed_after_epoch"], trained["epochs"], trained["ranks"]) == (3, 8, 2)
-    assert airflow.xcom("horovod_keras_digits", "train", "horovod_try_number") == 2
+    assert airflow.xcom("horovod_keras_digits", "train", "horovod_try_number") == 1
+    lost, resumed = airflow.xcom("horovod_keras_digits", "train", "horovod_attempts")  # one try, two attempts
+    assert lost["ending"] == "lost" and "SIGKILL" in lost["cause"]
+    assert resumed["ending"] == "success" and resumed["resumed_from"]["step"] is None  # a rename-rule version
     stored = local(airflow.xcom("horovod_keras_digits", "train", "horovod_artifacts_uri"))
     checkpoint = local(airflow.xcom("horovod_keras_digits", "train", "horovod_checkpoint_uri"))
-
-    first = stored.parent / "try-1"
-    assert json.loads((first / "_ARTIFACTS.json").read_text())["status"] == "failed"
-    with h5py.File(first / "checkpoints" / "model.h5", "r") as saved:  # what the retry resumed from
-        assert saved.attrs["epoch"] == 3 and "optimizer_weights" in saved
+    assert stored.name == "try-1" and json.loads((stored / "_ARTIFACTS.json").read_text())["status"] == "success"
     with h5py.File(checkpoint / "model.h5", "r") as saved:
         assert saved.attrs["epoch"] == 8
     output = proc.stdout + proc.stderr
     assert "fail_first_try_after_epoch=3: this try's ranks are killed on purpose" in output
-    assert "Retried after 5 s if retries are left (lost infrastructure): " in output  # the example's policy
     assert "rank 0 resumes after epoch 3" in output and "rank 1 resumes after epoch 3" in output
     assert "epoch 4: loss" in output and "epoch 8: loss" in output
     assert airflow.xcom("horovod_keras_digits", "evaluate")["accuracy"] >= 0.90

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -48,6 +49,7 @@ TryStatus = records.TryStatus
 TIMELINE = records.TIMELINE
 RESULT_FILE = RESULT
 TRY_FOLDER = re.compile(r"^try-([1-9][0-9]{0,6})$")
+log = logging.getLogger(__name__)
 LOCAL_PROTOCOLS = ("file", "local", "")
 STATE_KEY = "horovod_checkpoint"  # the task_state_store key of the newest committed version
 
@@ -297,17 +299,37 @@ def latest_checkpoint(folder: Any, try_number: int, since: int = 1) -> Checkpoin
     return None
 
 
-def recorded_checkpoint(state: Any) -> Checkpoint | None:
-    """What ``task_state_store`` says is the newest committed version, if it is still committed."""
+def recorded_checkpoint(state: Any, task: Any) -> Checkpoint | None:
+    """What ``task_state_store`` says is the newest committed version, if it is still committed and
+    lies in one of this task instance's own try folders (``task``: ``task_folder``).
+
+    The record is a value anyone allowed to update the task instance can write (Airflow's REST API
+    lets the USER role), and what it names is copied to every executor: a record that names
+    anything else (another task's checkpoint, a worker's own folder) is refused, and said."""
     if state is None:
         return None
     with contextlib.suppress(Exception):
         value = state.get(STATE_KEY, None)
         if isinstance(value, dict) and isinstance(value.get("uri"), str):
             path = storage_path(value["uri"])
+            try_number = _try_of(path, task)
+            if try_number is None:
+                log.warning("task_state_store's %s names %s, which is not in this task instance's tries (%s): "
+                            "not resumed from; the store scan decides", STATE_KEY, path, task)
+                return None
             marker = read_marker(path.parent)
             if (path / VERSION_MARKER).exists() or (marker is not None and marker.complete):
-                return Checkpoint(path, value.get("try_number"), value.get("step"), value.get("seq"))
+                return Checkpoint(path, try_number, value.get("step"), value.get("seq"))
+    return None
+
+
+def _try_of(path: Any, task: Any) -> int | None:
+    """The number of the try folder of ``task`` that holds ``path`` (``None``: none of them does)."""
+    if not is_inside(path, task):
+        return None
+    for folder in (path, *path.parents):
+        if str(folder.parent) == str(task):
+            return _try_number(folder)
     return None
 
 

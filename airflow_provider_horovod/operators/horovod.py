@@ -265,7 +265,7 @@ class HorovodRunnerOperator(BaseOperator):
         if self.resume == RESUME_AUTO:
             source, since = None, self._resume_since(context)
             if try_number > since:
-                recorded = store.recorded_checkpoint(_state_store(context))
+                recorded = store.recorded_checkpoint(_state_store(context), folder.parent)
                 if recorded is not None and (recorded.try_number or 0) < since:
                     recorded = None  # made before the Clear (Airflow 3.3 keeps the state store on Clear)
                 source = recorded or store.latest_checkpoint(folder, try_number, since)

@@ -80,3 +80,56 @@ def test_resume_inside_the_root_or_an_allowed_root_still_works(layout, monkeypat
 ])
 def test_an_object_store_resume_uri_counts_as_inside_only_under_the_same_root_and_connection(uri, root, inside):
     assert store.is_inside(store.storage_path(uri), store.storage_path(root)) is inside
+
+
+@pytest.mark.parametrize("forged", ["another task's version", "a worker's own folder", "this task's folder, no try"])
+def test_a_task_state_store_record_naming_anything_but_this_task_instances_tries_is_refused(layout, forged, caplog):
+    """T4-2 of issue #40: resume="auto" trusted task_state_store's record, which a user with PUT on
+    the task instance writes; now it must lie in this task instance's own try folders."""
+    other = store.prepare_try(str(layout.root), dag_id="other-team", run_id="r", task_id="train", try_number=1)
+    version = store.Version(seq=1, step=9, time=0.0, size=7, files=(("model.pt", 7),))
+    (layout.tmp / "v").mkdir()
+    (layout.tmp / "v" / "model.pt").write_bytes(b"theirs!")
+    theirs = store.commit_version(other, layout.tmp / "v", version, keep=1)
+    (layout.home / store.VERSION_MARKER).write_text(json.dumps(version.to_json()))  # "committed", to the check
+    mine = store.prepare_try(str(layout.root), dag_id="retrain", run_id="r", task_id="retrain", try_number=2)
+    (mine.parent / store.VERSION_MARKER).write_text(json.dumps(version.to_json()))
+    uri = {"another task's version": str(theirs), "a worker's own folder": str(layout.home),
+           "this task's folder, no try": str(mine.parent)}[forged]
+    state = StateStore({store.STATE_KEY: {"uri": uri, "try_number": 1, "step": 9, "seq": 1}})
+    op = HorovodRunnerOperator(task_id="retrain", training_callable="airflow_provider_horovod.runtime:size",
+                               artifact_root=str(layout.root))
+    source, local = op._resume_from(mine, {"ti": types.SimpleNamespace(try_number=2), "task_state_store": state})
+    assert (source, local) == (None, None)  # this task's try 1 committed nothing: from scratch, nothing copied
+    assert "not in this task instance's tries" in caplog.text
+
+
+def test_a_record_of_this_task_instances_own_version_still_resumes(layout):
+    first = store.prepare_try(str(layout.root), dag_id="retrain", run_id="r", task_id="retrain", try_number=1)
+    (layout.tmp / "v").mkdir()
+    (layout.tmp / "v" / "model.pt").write_bytes(b"mine")
+    path = store.commit_version(first, layout.tmp / "v", store.Version(seq=1, step=3, time=0.0, size=4,
+                                                                       files=(("model.pt", 4),)), keep=1)
+    mine = store.prepare_try(str(layout.root), dag_id="retrain", run_id="r", task_id="retrain", try_number=2)
+    state = StateStore({store.STATE_KEY: {"uri": str(path), "try_number": 1, "step": 3, "seq": 1}})
+    op = HorovodRunnerOperator(task_id="retrain", training_callable="airflow_provider_horovod.runtime:size",
+                               artifact_root=str(layout.root))
+    source, local = op._resume_from(mine, {"ti": types.SimpleNamespace(try_number=2), "task_state_store": state})
+    try:
+        assert (source.try_number, source.step) == (1, 3) and (Path(local) / "model.pt").read_bytes() == b"mine"
+    finally:
+        shutil.rmtree(local)
+
+
+class StateStore:
+    """Airflow 3.3's task_state_store as the operator sees it."""
+
+    def __init__(self, values: dict) -> None:
+        self.values = values
+
+    def get(self, key, default=None):
+        return self.values.get(key, default)
+
+    def set(self, key, value, retention=None):
+        self.values[key] = value
+

@@ -137,12 +137,12 @@ def test_task_state_store_names_the_newest_version_and_a_pruned_one_falls_back_t
     path = store.commit_version(try1, local, version, keep=1)
     state = StateStore()
     store.record_checkpoint(state, store.Checkpoint(path, 1, 5, 1))
-    found = store.recorded_checkpoint(state)
+    found = store.recorded_checkpoint(state, try1.parent)
     assert (str(found.path), found.try_number, found.step) == (str(path), 1, 5)
     second, local2 = local_version(tmp_path, 2, {"model.pt": b"two"}, step=6)
     store.commit_version(try1, local2, second, keep=1)  # version 1 pruned: the record is stale
-    assert store.recorded_checkpoint(state) is None
-    assert store.recorded_checkpoint(None) is None
+    assert store.recorded_checkpoint(state, try1.parent) is None
+    assert store.recorded_checkpoint(None, try1.parent) is None
 
 
 def test_metrics_of_a_long_try_are_thinned_evenly_and_keep_the_newest_row():

@@ -36,6 +36,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import time
 
 import pendulum
 
@@ -110,6 +111,7 @@ def train_keras_digits(epochs: int = 8, batch_size: int = 32, base_lr: float = 0
             if resume is None and done == fail_first_try_after_epoch:
                 hvd.allreduce(tf.constant(0.0), name="checkpoint_saved")  # rank 0 has saved: all fail together
                 print("fail_first_try_after_epoch=%d: this try's ranks are killed on purpose" % done, flush=True)
+                time.sleep(1.0)  # the rank's output reaches the driver from a thread the kill would cut short
                 os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost machine would
 
     callbacks = [

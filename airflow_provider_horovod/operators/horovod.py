@@ -412,7 +412,7 @@ class HorovodRunnerOperator(BaseOperator):
             resumed_from=str(resumed_from.path) if resumed_from is not None else None,
             resumed_from_try=resumed_from.try_number if resumed_from is not None else None,
             resumed_from_step=resumed_from.step if resumed_from is not None else None,
-            error=failure,
+            error=failure, attempts=tuple(report.attempts),
         )
         committed = store.store_try(local, folder, marker, extra_files=extra_files)
         newest = store.newest_checkpoint(folder)

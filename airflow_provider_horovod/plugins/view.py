@@ -182,6 +182,7 @@ def _facts(t: Try, *, running: bool) -> dict[str, Any]:
         "resumed_from_try": marker.resumed_from_try,
         "resumed_from_step": marker.resumed_from_step,
         "versions": t.versions(),
+        "attempts": list(marker.attempts) if len(marker.attempts) > 1 else [],  # one attempt: nothing to add
         "artifacts_uri": str(t.folder),
         "files": [{"path": f.path, "size": f.size} for f in files if f.path != MARKER],
         "checkpoints": [{"path": f.path, "size": f.size} for f in files if f.path.startswith(CHECKPOINTS + "/")],
@@ -281,6 +282,13 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
  <tr><th>resumed from</th><td id="resumed-from">{% if facts.resumed_from %}<code>{{ facts.resumed_from }}</code>{% if facts.resumed_from_try %} (try {{ facts.resumed_from_try }}{% if facts.resumed_from_step is not none %}, step {{ facts.resumed_from_step }}{% endif %}){% endif %}{% else %}<span class="muted">nothing (started fresh)</span>{% endif %}</td></tr>
  <tr><th>artifact folder</th><td><code id="artifacts-uri">{{ facts.artifacts_uri }}</code></td></tr>
 </table>
+{% if facts.attempts %}<section><h2>Attempts inside this try</h2>
+<p class="muted">A lost executor, host or rank costs a restart of the barrier stage inside the try (max_restarts), from the newest committed version.</p>
+<table id="attempts"><tr><th>attempt</th><th>ranks</th><th>resumed from</th><th>restart took</th><th>ended</th><th>why</th></tr>
+{% for a in facts.attempts %}<tr><td class="num">{{ a.number }}</td><td class="num">{{ a.np }}</td>
+<td>{% if a.resumed_from and a.resumed_from.seq is defined %}version {{ a.resumed_from.seq }}{% if a.resumed_from.step is not none %} (step {{ a.resumed_from.step }}){% endif %}{% elif a.resumed_from %}<code>{{ a.resumed_from.path }}</code>{% else %}<span class="muted">nothing</span>{% endif %}</td>
+<td class="num">{% if a.restart_s is not none %}{{ "%.1f"|format(a.restart_s) }} s{% endif %}</td>
+<td class="{{ a.ending or '' }}">{{ a.ending or "?" }}</td><td>{{ a.cause or "" }}</td></tr>{% endfor %}</table></section>{% endif %}
 {% if not facts.committed %}<p class="muted">This try has not committed its artifacts (it is running, or its worker died before the end).</p>{% endif %}
 <section id="progress" data-metrics="{{ url('metrics') }}" data-try="{{ selected.number }}" data-refresh="{{ refresh_s }}">
 <h2>Progress and metrics</h2>

@@ -272,7 +272,7 @@ def _try_status(value: Any) -> TryStatus | None:
 
 
 _TRY_FIELDS = ("try_number", "np", "run_id", "launcher", "duration_s", "resumed_from", "resumed_from_try",
-               "resumed_from_step", "error", "committed_at")
+               "resumed_from_step", "error", "committed_at", "attempts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,12 +294,14 @@ class TryMarker:
     resumed_from_step: int | None = None
     error: dict[str, Any] | None = None  # events.Failure's JSON
     committed_at: float | None = None
+    attempts: tuple[dict[str, Any], ...] = ()  # RunReport.attempts: the barrier stages of this try
     run: RunMarker | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {"schema": SCHEMA, "status": self.status.value if self.status else None, "complete": self.complete,
                "stored_files": list(self.stored_files)}
         out.update((name, getattr(self, name)) for name in _TRY_FIELDS)
+        out["attempts"] = list(self.attempts)
         out["run"] = self.run.to_json() if self.run is not None else None
         return out
 
@@ -316,5 +318,6 @@ class TryMarker:
         fields = {name: value.get(name) for name in _TRY_FIELDS}
         if not isinstance(fields["error"], dict):
             fields["error"] = None
+        fields["attempts"] = tuple(a for a in fields["attempts"] or () if isinstance(a, dict))
         return cls(status=_try_status(value.get("status")), complete=value.get("complete") is True,
                    stored_files=tuple(n for n in stored if isinstance(n, str)), run=run, **fields)

@@ -150,7 +150,9 @@ def test_keras_digits_example_restarts_from_its_checkpoint_in_the_same_try_and_r
     assert resumed["ending"] == "success" and resumed["resumed_from"]["step"] is None  # a rename-rule version
     stored = local(airflow.xcom("horovod_keras_digits", "train", "horovod_artifacts_uri"))
     checkpoint = local(airflow.xcom("horovod_keras_digits", "train", "horovod_checkpoint_uri"))
-    assert stored.name == "try-1" and json.loads((stored / "_ARTIFACTS.json").read_text())["status"] == "success"
+    marker = json.loads((stored / "_ARTIFACTS.json").read_text())
+    assert stored.name == "try-1" and marker["status"] == "success"
+    assert [a["ending"] for a in marker["attempts"]] == ["lost", "success"]  # the view's row per attempt
     with h5py.File(checkpoint / "model.h5", "r") as saved:
         assert saved.attrs["epoch"] == 8
     output = proc.stdout + proc.stderr

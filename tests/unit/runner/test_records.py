@@ -41,7 +41,8 @@ MARKER_BEFORE_SCHEMAS = {
     RunMarker(status="success", complete=True, run_id="r", files=({"path": "a", "size": 1},), committed_at=4.0,
               checkpoint="checkpoints", timeline={"timeline": "timeline.json"}, np=2, launcher="torch"),
     TryMarker(status=TryStatus.CANCELLED, complete=False, stored_files=("a",), try_number=2, np=-2, launcher="mpirun",
-              error={"message": "cancelled"}, run=RunMarker(status="cancelled", complete=False, staging=".incoming-1")),
+              error={"message": "cancelled"}, attempts=({"number": 0, "ending": "lost"}, {"number": 1, "ending": "cancelled"}),
+              run=RunMarker(status="cancelled", complete=False, staging=".incoming-1")),
 ])
 def test_every_record_is_written_with_its_schema_and_reads_back_whole(record):
     saved = json.loads(json.dumps(record.to_json()))

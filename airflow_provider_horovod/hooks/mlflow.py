@@ -23,7 +23,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from airflow.sdk import BaseHook
@@ -164,11 +164,22 @@ class MlflowRun:
         for start in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics per batch
             self._call("log metrics", self.client.log_batch, self.run_id, metrics=batch[start:start + 1000])
 
-    def finish(self, status: str, artifacts: Mapping[str, str | None]) -> None:
+    def finish(self, status: str, artifacts: Mapping[str, str | None], attempts: Sequence[Mapping[str, Any]] = ()) -> None:
         """Log the last reports, each of ``artifacts`` (artifact path -> local file or folder) that
-        exists, and end the run with ``status`` (``success``, ``failed``, ``cancelled``)."""
+        exists, the try's ``attempts`` as tags (``horovod.attempts``, and ``horovod.attempt.<n>``:
+        how attempt n ended and why), and end the run with ``status`` (``success``, ``failed``,
+        ``cancelled``)."""
         self._stop.set()
         self._thread.join(60)
+        tags = {"horovod.attempts": str(len(attempts))} if attempts else {}
+        for attempt in attempts:
+            text = "%s%s" % (attempt.get("ending") or "?", ": %s" % attempt["cause"] if attempt.get("cause") else "")
+            tags["horovod.attempt.%s" % attempt.get("number")] = text[:5000]  # MLflow's limit on a tag's value
+        if tags:
+            from mlflow.entities import RunTag
+
+            self._call("tag the attempts", self.client.log_batch, self.run_id,
+                       tags=[RunTag(k, v) for k, v in tags.items()])
         for target, local in artifacts.items():
             if local and os.path.isdir(local):
                 self._call("log " + target, self.client.log_artifacts, self.run_id, local, target)

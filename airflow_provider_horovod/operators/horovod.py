@@ -233,7 +233,8 @@ class HorovodRunnerOperator(BaseOperator):
             result, report, error = self._train(np, local, resume_from, self._version_sink(folder, context), recorder)
             metrics, status = recorder.close(), try_status(report, error)
             if tracking is not None:
-                tracking.finish(status.value, {"checkpoint": report.checkpoint_path, "timeline": report.timeline_path})
+                tracking.finish(status.value, {"checkpoint": report.checkpoint_path, "timeline": report.timeline_path},
+                                report.attempts)
             failure = self._explain_failure(error, report)
             xcom = self._store(folder, local, result, report, status, context["ti"].try_number, failure, source)
             xcom["metrics"] = metrics

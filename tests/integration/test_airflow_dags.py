@@ -370,6 +370,7 @@ def test_mlflow_gets_one_run_per_try_from_the_driver_and_an_unreachable_server_o
     assert {k: run.data.tags[k] for k in ("dag_id", "run_id", "task_id", "map_index", "try")} == {
         "dag_id": "hvd_test_mlflow", "run_id": run_id, "task_id": "tracked", "map_index": "-1", "try": "1"}
     assert run.data.params == {"np": "-2", "launcher": "gloo", "lr": "0.1", "epochs": "3"}  # scalar op_kwargs only
+    assert (run.data.tags["horovod.attempts"], run.data.tags["horovod.attempt.0"]) == ("1", "success")
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "loss")
     steps = [m.step for m in history]

@@ -120,13 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     child = spawn(command, dict(os.environ), stdin=subprocess.DEVNULL)
 
-    first = threading.Lock()
+    first = threading.RLock()
 
     def finish(code: int) -> None:
         # Whichever comes first (the command ends, the task dies, SIGTERM) takes the command's whole
         # session down and ends the reaper at once with its code; nothing here waits on the main
-        # thread. A second caller waits for that exit: the watchdog's kill_tree reaps the command,
-        # so the main thread's wait() then reads "no such child" as exit code 0.
+        # thread. A caller on another thread waits for that exit (the watchdog's kill_tree reaps the
+        # command, so the main thread's wait() then reads "no such child" as exit code 0). A signal
+        # handled while the main thread itself is finishing runs on that same thread: it takes the
+        # lock again and finishes, where waiting would wait for itself.
         if not first.acquire(blocking=False):
             threading.Event().wait()
         kill_tree(child.pid if child.poll() is not None else child, grace_s=1.0)

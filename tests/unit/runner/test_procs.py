@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -54,3 +55,25 @@ def test_kill_all_stops_every_tree_this_process_started():
     started = [procs.spawn(SLEEPER, {}, stdin=subprocess.DEVNULL) for _ in range(2)]
     procs.kill_all(grace_s=1.0)
     assert [p.poll() is not None for p in started] == [True, True]
+
+
+def test_the_reaper_ends_when_a_second_sigterm_comes_while_it_is_finishing():
+    """Airflow's SIGTERM reached the reaper, which is taking its command's session down (a command
+    that ignores SIGTERM keeps it in kill_tree's 1 s grace) when a second SIGTERM comes (the
+    process group's kill, then the task's): the handler runs on the thread that is finishing, and
+    must finish, not wait for itself (a reaper and a zombie orted were left so in one CI run)."""
+    stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                      "print('ready', flush=True); time.sleep(60)"]
+    watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        reaper = procs.spawn(procs.reaped(stubborn, watched.pid), {}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        assert reaper.stdout.readline() == b"ready\n"
+        (command,) = psutil.Process(reaper.pid).children()
+        reaper.send_signal(signal.SIGTERM)
+        time.sleep(0.4)  # inside kill_tree's grace: the command ignored its SIGTERM
+        reaper.send_signal(signal.SIGTERM)
+        assert reaper.wait(timeout=15) == 143
+        assert not procs.alive(command.pid)
+    finally:
+        watched.kill()
+        watched.wait()

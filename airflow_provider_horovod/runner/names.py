@@ -62,6 +62,7 @@ RANK_ENV_PREFIXES = (
     "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "TRITON_", "TF_", "XLA_", "KERAS_", "HF_", "TRANSFORMERS_",  # frameworks
     "HOROVOD_", "OMPI_", "OPAL_", "PMIX_", "ORTE_", "GLOO_", "UCX_", "FI_",  # Horovod, Open MPI, Gloo, fabrics
     "HVDRUNNER_",  # this provider's own
+    "AIRFLOW_CTX_",  # the task's Airflow context (dag, task, run, try), as Airflow gives any subprocess
 )
 # Names that hold a secret stay behind even when the allow-list has them (``HF_TOKEN``), unless
 # ``HVDRUNNER_PASS_ENV`` names them.

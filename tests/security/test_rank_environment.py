@@ -46,7 +46,8 @@ def test_a_rank_starts_without_the_tasks_secrets_and_with_what_env_gives(monkeyp
 
 def test_the_allow_list_takes_what_ranks_need_and_no_secret_even_when_its_prefix_is_allowed():
     assert all(passes_to_ranks(name) for name in [*ORDINARY, "PATH", "HOME", "LANG", "PYTHONPATH", "HVDRUNNER_PLAN",
-                                                  "CUDA_VISIBLE_DEVICES", "OMPI_MCA_btl", "LD_LIBRARY_PATH"])
+                                                  "CUDA_VISIBLE_DEVICES", "OMPI_MCA_btl", "LD_LIBRARY_PATH",
+                                                  "AIRFLOW_CTX_DAG_ID", "AIRFLOW_CTX_TRY_NUMBER"])
     assert not any(passes_to_ranks(name) for name in [*SECRETS, *UNNAMED_SECRETS, "SPARK_HOME", "SECRETARY_NAME"])
     assert passes_to_ranks("SECRETARY_NAME", "FOO, SECRETARY_NAME") and passes_to_ranks("SITE_X", "SITE_*")
     assert not passes_to_ranks("PYTHON_WORKER_FACTORY_SECRET", "*")  # Spark's own secret never passes

@@ -40,7 +40,8 @@ def test_uneven_shards_run_the_same_steps_on_every_rank(spark, remainder, steps,
 
 BAD_DATASETS = {
     "unknown table": ("hvd_no_such_table", "no table or view of that name"),
-    "unparsable query": ("SELEC id FROM range(4)", "does not parse"),
+    "unparsable query": ("SELECT id FROM range(4) WHERE", "does not parse"),
+    "not a query": ("SELEC id FROM range(4)", "does not start with SELECT"),  # refused before Spark sees it
     "empty": ("SELECT id FROM range(10) WHERE id > 100", "has no rows"),
     "fewer rows than np": (lambda spark: spark.range(1), "has 1 rows, fewer than np=2"),
     "string column": ("SELECT id, CAST(id AS STRING) AS name FROM range(4)", "Column 'name' .* is string"),

@@ -329,13 +329,14 @@ def uneven_batches_job(batches: int = 6, short_by: int = 2):
 
 
 def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horovod", loss: str = "",
-                    losses: int = 1, marker: str = ""):
+                    losses: int = 1, marker: str = "", victim: int = 1, with_dataset: bool = False):
     """Rank 0 commits ``step.txt`` each step with ``runtime.commit_checkpoint``; resumes after the step
-    in ``resume_dir()``. In each of the first ``losses`` attempts rank 1 loses its infrastructure
+    in ``resume_dir()``. In each of the first ``losses`` attempts rank ``victim`` loses its infrastructure
     after step 3: ``loss="task"`` kills its Spark task's Python worker (SIGKILL, from the rank: a
     signal the task did not send itself; gloo and torch, whose rank is the task's child); ``loss="jvm"`` writes the pid of the executor JVM hosting
     it to ``marker`` for the driver to kill, and that attempt then waits for the loss. ``collective``:
-    ``"horovod"`` (mpirun, gloo) or ``"torch"`` (launcher="torch"). Returns where it started."""
+    ``"horovod"`` (mpirun, gloo) or ``"torch"`` (launcher="torch"). Returns where it started (and,
+    ``with_dataset``, how many rows rank 0's shard of ``dataset=`` holds)."""
     import psutil
     import torch
 
@@ -367,13 +368,16 @@ def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horo
             runtime.commit_checkpoint(step=step)
         if doomed and step >= start + 3:
             time.sleep(0.5)  # the version of this step reaches the driver first
-            if rank == 1 and loss == "task":
+            if rank == victim and loss == "task":
                 os.kill(os.getppid(), signal.SIGKILL)  # gloo, torch: the rank's parent is its task
-            if rank == 1 and loss == "jvm":
+            if rank == victim and loss == "jvm":
                 java = next(p for p in psutil.Process().parents() if p.name() == "java")
                 with open(marker + ".tmp", "w") as f:
                     f.write(str(java.pid))
                 os.replace(marker + ".tmp", marker)
             time.sleep(600)  # the loss ends this attempt
         time.sleep(pause)
-    return {"start": start, "attempt": runtime.attempt(), "size": size}
+    result = {"start": start, "attempt": runtime.attempt(), "size": size}
+    if with_dataset:  # the rows of this rank's shard of the run's dataset=, split for this attempt's size
+        result["rows"] = runtime.dataset().num_rows
+    return result

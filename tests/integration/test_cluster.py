@@ -13,6 +13,7 @@ import pytest
 from tests.integration import dataset_jobs
 from tests.integration.cluster import StandaloneCluster
 from tests.integration.scenarios.cluster_runs import DATASET_ROWS
+from tests.integration.scenarios.restart_runs import DATASET_ROWS as RESTART_DATASET_ROWS
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,18 +120,20 @@ def test_dataset_shards_are_spilled_by_each_executors_task_for_the_rank_beside_i
 def restart_runs(cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("restart-out")
     _run_module("tests.integration.scenarios.restart_runs", cluster.master, json.dumps(cluster.app_conf()), str(out),
-                "mpirun", "gloo", "torch")
+                "mpirun", "gloo", "torch", "mpirun/rank0")
     return json.loads((out / "runs.json").read_text())
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "gloo", "torch"])
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo", "torch", "mpirun/rank0"])
 def test_an_executor_killed_mid_training_costs_one_restart_of_the_same_run_from_the_newest_committed_version(
         restart_runs, launcher):
     got = restart_runs[launcher]
     lost, restarted = got["attempts"]
-    (kill,) = got["kills"]  # rank 1's executor JVM, SIGKILLed after rank 0 committed step 3 or later
+    (kill,) = got["kills"]  # rank 1's (/rank0: rank 0's) executor JVM, SIGKILLed after rank 0 committed step 3 or later
+    victim = 0 if launcher.endswith("/rank0") else 1
     assert (lost["ending"], restarted["ending"]) == ("lost", "success")
-    assert lost["cause"].startswith("The barrier task of partition 1 on host hvdhost1") and "died" in lost["cause"]
+    assert lost["cause"].startswith("The barrier task of partition %d on host hvdhost%d" % (victim, victim))
+    assert "died" in lost["cause"]
     assert restarted["resumed_from"]["step"] >= kill["newest_step"] >= 3  # nothing committed before the loss is lost
     assert got["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 2}
     assert 0 < restarted["restart_s"] < 30  # from the loss to the next attempt's ranks starting
@@ -153,7 +156,9 @@ def test_a_host_gone_for_good_with_min_np_below_np_finishes_on_the_ranks_left(ho
     lost, restarted = host_loss_run["attempts"]
     assert (lost["np"], lost["ending"], restarted["np"], restarted["ending"]) == (2, "lost", 1, "success")
     assert restarted["resumed_from"]["step"] >= host_loss_run["kills"][0]["newest_step"] >= 3
-    assert host_loss_run["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 1}
+    # dataset= follows the smaller restart: the one rank left reads every row (2 shards in attempt 0)
+    assert host_loss_run["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 1,
+                                       "rows": RESTART_DATASET_ROWS}
 
 
 @pytest.fixture(scope="module")

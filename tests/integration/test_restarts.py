@@ -4,6 +4,8 @@ executor JVM killed on a standalone cluster is in tests/integration/test_cluster
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -54,6 +56,38 @@ def test_a_cancel_during_a_restart_leaves_no_process(spark, tmp_path, no_leftove
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], RunCancelledError)
     assert [a["ending"] for a in runner.last_run.attempts] == ["lost", "cancelled"]
+
+
+class _Interrupted(Exception):
+    """What Airflow's handlers raise into the task's main thread: its SIGTERM handler (a cancel, "mark
+    failed") and its ``execution_timeout`` (SIGALRM)."""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGALRM], ids=["sigterm", "execution_timeout"])
+def test_a_signal_raising_into_the_main_thread_during_a_restart_leaves_no_process(spark, tmp_path, signum,
+                                                                                  no_leftover_processes):
+    runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=tmp_path, max_restarts=3)
+
+    def interrupt(_signum, _frame):
+        raise _Interrupted("interrupted by %s" % signal.Signals(_signum).name)
+
+    def send_when_restarting():
+        deadline = time.monotonic() + 60
+        while len(runner.last_run.attempts) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signum)  # handled in the main thread, wherever run() is in the restart
+
+    previous = signal.signal(signum, interrupt)
+    sender = threading.Thread(target=send_when_restarting)
+    try:
+        sender.start()
+        with pytest.raises(_Interrupted, match=signal.Signals(signum).name):
+            runner.run(jobs.restartable_job, loss="task", losses=3)
+    finally:
+        sender.join(60)
+        signal.signal(signum, previous)
+    assert [a["ending"] for a in runner.last_run.attempts][0] == "lost" and len(runner.last_run.attempts) == 2
+    assert runner.last_run.status == "cancelled" or runner.last_run.status == "failed"
 
 
 def _run_into(errors: list[BaseException], runner: HorovodRunner, job, **kwargs) -> None:

@@ -1,10 +1,11 @@
 """The executor JVM hosting rank 1 is SIGKILLed mid-training on a standalone cluster; the same
 ``run()`` restarts from the newest committed version (its own SparkSession, in its own process).
 
-usage: python -m tests.integration.scenarios.restart_runs MASTER CONF_JSON OUT_DIR LAUNCHER[/host]...
+usage: python -m tests.integration.scenarios.restart_runs MASTER CONF_JSON OUT_DIR LAUNCHER[/host|/rank0]...
 
 ``LAUNCHER/host``: the worker that started that executor is killed too (a host gone for good); the
-run has ``min_np=1`` and restarts on the one slot left.
+run has ``min_np=1`` and a ``dataset=`` of ``DATASET_ROWS`` rows, and restarts on the one slot left. ``LAUNCHER/rank0``: the executor hosting
+rank 0 (partition 0: mpirun, Horovod's rendezvous or torch's store) is the one killed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+DATASET_ROWS = 101
 
 
 def kill_when_told(marker: Path, committed: list[int], done: threading.Event, host: bool) -> list[dict]:
@@ -52,17 +55,19 @@ def main() -> None:
     results = {}
     try:
         for name in launchers:
-            launcher, host = name.split("/")[0], name.endswith("/host")
+            launcher, host, victim = name.split("/")[0], name.endswith("/host"), 0 if name.endswith("/rank0") else 1
+            folder = name.replace("/", "-")
             committed: list[int] = []
             done = threading.Event()
-            marker = out / ("jvm-%s" % launcher)
+            marker = out / ("jvm-%s" % folder)
             kills = kill_when_told(marker, committed, done, host)
-            runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=out / launcher, max_restarts=1,
+            runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=out / folder, max_restarts=1,
                                    min_np=1 if host else None, start_timeout=10 if host else 60,
+                                   dataset=spark.range(DATASET_ROWS) if host else None,
                                    on_checkpoint=lambda version, _path: committed.append(version.step))
             began = time.monotonic()
             try:
-                result = runner.run(jobs.restartable_job, loss="jvm", marker=str(marker),
+                result = runner.run(jobs.restartable_job, loss="jvm", marker=str(marker), victim=victim, with_dataset=host,
                                     collective="torch" if launcher == "torch" else "horovod")
             finally:
                 done.set()

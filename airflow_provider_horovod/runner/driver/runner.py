@@ -237,6 +237,8 @@ class HorovodRunner:
                 return attempt.run()
             except BaseException as err:
                 record.cause = one_line(str(err).split("\n", 1)[0]) or type(err).__name__
+                if attempt.ending is None and not isinstance(err, Exception):  # execution_timeout, Ctrl-C: raised
+                    attempt.ending = Ending.CANCELLED  # into the restart, outside the supervisor's loop
                 record.ending = attempt.ending or Ending.FAILED
                 if not (attempt.ending and self.restarts.restarts(attempt.ending, number)):
                     self._name_attempts(err, report, record)

@@ -246,6 +246,7 @@ class HorovodRunner:
                 if self._cancelled.is_set():
                     raise RunCancelledError("The Horovod job was cancelled while it restarted; every rank was stopped.") from err
                 lost_at = attempt.ended_at or time.monotonic()
+                self._await_preempted_version(attempt, sink)
                 resume, resumed = self._resume_point(sink, number + 1)
                 log.warning("Attempt %d of run %s lost its infrastructure (%s); restart %d of max_restarts=%d resumes "
                             "from %s", number, run_id, record.cause, number + 1, self.restarts.max_restarts,
@@ -280,6 +281,18 @@ class HorovodRunner:
         report.phases = attempt.marks
         if len(report.attempts) > 1 or record.ending != Ending.SUCCESS:
             log.info("Run %s, %s", report.run_id, record.describe())
+
+    def _await_preempted_version(self, attempt: Attempt, sink: VersionSink | None) -> None:
+        """After a decommission notice, the version rank 0 committed for it may still be on its way:
+        wait for it, ``preempt_grace_s`` from the notice at most, before resuming from the newest."""
+        if attempt.preempted_at is None or sink is None:
+            return
+        deadline = attempt.preempted_at + self.deadlines.preempt_grace_s
+        while len(sink.committed) <= attempt.versions_at_notice and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if len(sink.committed) <= attempt.versions_at_notice:
+            log.warning("No checkpoint version came within preempt_grace_s=%gs of the decommission notice; the restart "
+                        "resumes from the newest one before it", self.deadlines.preempt_grace_s)
 
     def _resume_point(self, sink: VersionSink | None, number: int) -> tuple[Path | None, dict[str, Any] | None]:
         """Where a restart resumes: the newest version the driver committed, hard-linked into a folder

@@ -50,7 +50,9 @@ def stop_process_groups(procs: list[subprocess.Popen]) -> None:
 
 
 class StandaloneCluster:
-    def __init__(self, workdir: Path, workers: int = 2) -> None:
+    def __init__(self, workdir: Path, workers: int = 2, decommission: bool = False) -> None:
+        """``decommission``: ``spark.decommission.enabled`` on the workers (SIGPWR to a worker
+        decommissions it and its executors) and in ``app_conf()``."""
         self.workdir = workdir
         self.spark_home = Path(pyspark.__file__).parent
         self.port = free_port()
@@ -58,6 +60,7 @@ class StandaloneCluster:
         self.master = "spark://127.0.0.1:%d" % self.port
         self.procs: list[subprocess.Popen] = []
         self.n_workers = workers
+        self.decommission = decommission
         self.app_gpu_script = gpu_script(workdir / "gpus-app.sh", ["0", "1", "2", "3"])
 
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -87,6 +90,8 @@ class StandaloneCluster:
         """Worker ``i``: one core and GPUs ``2i`` and ``2i+1``."""
         script = gpu_script(self.workdir / ("gpus-worker%d.sh" % i), [str(2 * i), str(2 * i + 1)])
         opts = "-Dspark.worker.resource.gpu.amount=2 -Dspark.worker.resource.gpu.discoveryScript=%s" % script
+        if self.decommission:
+            opts += " -Dspark.decommission.enabled=true"
         work = self.workdir / ("work%d" % i)
         work.mkdir()
         self._start(["org.apache.spark.deploy.worker.Worker", self.master, "--host", "127.0.0.1", "--cores", "1",
@@ -119,6 +124,7 @@ class StandaloneCluster:
             "spark.executor.resource.gpu.discoveryScript": str(self.app_gpu_script),
             "spark.task.resource.gpu.amount": "1",
             "spark.ui.enabled": "false",
+            **({"spark.decommission.enabled": "true"} if self.decommission else {}),
         }
 
     def stop(self) -> None:

@@ -381,3 +381,39 @@ def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horo
     if with_dataset:  # the rows of this rank's shard of the run's dataset=, split for this attempt's size
         result["rows"] = runtime.dataset().num_rows
     return result
+
+
+def preemptible_job(steps: int = 12, pause: float = 0.3, marker: str = "", with_dataset: bool = False):
+    """Rank 0 commits a version only when the ranks agree, through an allreduce, that the attempt is
+    being preempted (``runtime.preempting()``), then every rank waits for the loss. In attempt 0,
+    rank 1 writes its executor JVM's pid to ``marker`` after step 3 (for the driver to decommission
+    its worker and kill it later) and training goes on until the notice. Returns where it started,
+    the attempt and the size (``with_dataset``: and the rows of rank 0's shard)."""
+    import horovod.torch as hvd
+    import psutil
+    import torch
+
+    from airflow_provider_horovod import runtime
+
+    hvd.init()
+    resume = runtime.resume_dir()
+    step = int((resume / "step.txt").read_text()) + 1 if resume is not None else 0
+    start = step
+    while step < steps or runtime.attempt() == 0:  # attempt 0 trains until the notice
+        hvd.allreduce(torch.ones(1), name="step")
+        if hvd.allreduce(torch.tensor([float(runtime.preempting())]), name="notice", op=hvd.Max).item() > 0:
+            if hvd.rank() == 0:  # every rank stops after this step: the version holds every step done
+                (runtime.checkpoint_dir() / "step.txt").write_text(str(step))
+                runtime.commit_checkpoint(step=step)
+            time.sleep(600)  # the loss ends this attempt
+        if runtime.attempt() == 0 and step == 3 and hvd.rank() == 1:
+            java = next(p for p in psutil.Process().parents() if p.name() == "java")
+            with open(marker + ".tmp", "w") as f:
+                f.write(str(java.pid))
+            os.replace(marker + ".tmp", marker)
+        step += 1
+        time.sleep(pause)
+    result = {"start": start, "attempt": runtime.attempt(), "size": hvd.size()}
+    if with_dataset:
+        result["rows"] = runtime.dataset().num_rows
+    return result

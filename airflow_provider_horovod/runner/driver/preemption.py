@@ -46,12 +46,16 @@ class DecommissionWatch:
         self._thread.start()
 
     def _watch(self) -> None:
+        # an executor already decommissioning runs no task of this attempt (Spark schedules none there):
+        # the executor a restart follows may still be listed, and is no notice for the new attempt
+        before = set(decommissioning(self._spark) or ())
         while not self._stop.wait(POLL_S):
             found = decommissioning(self._spark)
             if found is None:
                 return  # nothing to ask: no notice, no more polling
-            if found:
-                self._on_notice(found)
+            new = [i for i in found if i not in before]
+            if new:
+                self._on_notice(new)
                 return
 
     def stop(self) -> None:

@@ -122,11 +122,11 @@ def test_dataset_shards_are_spilled_by_each_executors_task_for_the_rank_beside_i
 def restart_runs(cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("restart-out")
     _run_module("tests.integration.scenarios.restart_runs", cluster.master, json.dumps(cluster.app_conf()), str(out),
-                "mpirun", "gloo", "torch", "mpirun/rank0")
+                "mpirun", "gloo", "torch", "mpirun/rank0", "gloo/rank0", "torch/rank0")
     return json.loads((out / "runs.json").read_text())
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "gloo", "torch", "mpirun/rank0"])
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo", "torch", "mpirun/rank0", "gloo/rank0", "torch/rank0"])
 def test_an_executor_killed_mid_training_costs_one_restart_of_the_same_run_from_the_newest_committed_version(
         restart_runs, launcher):
     got = restart_runs[launcher]

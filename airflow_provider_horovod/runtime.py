@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from airflow_provider_horovod.runner import names
@@ -227,7 +228,7 @@ def preempting() -> bool:
     return preemption.preempting()
 
 
-def on_preemption(callback) -> None:
+def on_preemption(callback: Callable[[], None]) -> None:
     """Call ``callback()`` once, from a thread of this rank, when ``preempting()`` turns true."""
     from airflow_provider_horovod.runner.rank import preemption
 

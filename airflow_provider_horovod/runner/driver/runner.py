@@ -288,7 +288,8 @@ class HorovodRunner:
         if attempt.preempted_at is None or sink is None:
             return
         deadline = attempt.preempted_at + self.deadlines.preempt_grace_s
-        while len(sink.committed) <= attempt.versions_at_notice and time.monotonic() < deadline:
+        while (len(sink.committed) <= attempt.versions_at_notice and time.monotonic() < deadline
+               and not self._cancelled.is_set()):
             time.sleep(0.05)
         if len(sink.committed) <= attempt.versions_at_notice:
             log.warning("No checkpoint version came within preempt_grace_s=%gs of the decommission notice; the restart "

@@ -13,6 +13,8 @@ import pendulum
 
 from airflow.sdk import dag, task
 
+from airflow_provider_horovod.retry import HorovodRetryPolicy
+
 START = pendulum.datetime(2025, 1, 1, tz="UTC")
 STEP_FILE = "step.txt"
 # The timed-out task's execution_timeout. Its checkpoint came 30-70 s after the start on 2 cores (next to
@@ -154,7 +156,26 @@ def hvd_deploy_restart():
     survive()
 
 
+@dag(schedule=None, start_date=START, catchup=False, tags=["hvd-deployment-test"])
+def hvd_deploy_retry_policy():
+    """HorovodRetryPolicy, the default: a training function that raises is not retried although
+    retries=2; too few slots are retried (after the policy's delay of 0 s, not the task's 300 s).
+    Too few slots also fail after start_timeout (2 s, not the default 120 s)."""
+
+    @task.horovod(np=2, retries=2)
+    def raises():
+        raise ValueError("the learning rate must be positive")
+
+    @task.horovod(np=4, start_timeout=2, retries=1, retry_policy=HorovodRetryPolicy(slots_delay=0))
+    def more_ranks_than_slots():  # the task's embedded local[2] Spark has 2 barrier slots
+        return "never runs"
+
+    raises()
+    more_ranks_than_slots()
+
+
 hvd_deploy_stop()
 hvd_deploy_crash()
 hvd_deploy_many()
 hvd_deploy_restart()
+hvd_deploy_retry_policy()

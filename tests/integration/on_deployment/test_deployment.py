@@ -355,6 +355,37 @@ def _ctx(proc: psutil.Process) -> tuple[str | None, str | None, str | None]:
     return env.get("AIRFLOW_CTX_DAG_ID"), env.get("AIRFLOW_CTX_TASK_ID"), env.get("AIRFLOW_CTX_TRY_NUMBER")
 
 
+def test_the_default_retry_policy_fails_a_raising_function_after_one_try_and_retries_too_few_slots(
+        airflow_deployment: Deployment, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    api = airflow_deployment.api
+    dag_id = "hvd_deploy_retry_policy"
+    api.wait_dags([dag_id])
+    run_id = api.trigger(dag_id)
+    assert api.wait_run(dag_id, run_id, timeout=300) == "failed"
+    raises = api.task_instance(dag_id, run_id, "raises")
+    slots = api.task_instance(dag_id, run_id, "more_ranks_than_slots")
+    assert (raises["state"], raises["try_number"]) == ("failed", 1)  # although retries=2
+    assert (slots["state"], slots["try_number"]) == ("failed", 2)  # retries=1: retried once
+    log = api.log(dag_id, run_id, "raises", 1)
+    assert ("Not retried (user code): the training function raised ValueError: the learning rate must be positive "
+            "in rank ") in log, log[-3000:]
+    for try_number in (1, 2):
+        log = api.log(dag_id, run_id, "more_ranks_than_slots", try_number)
+        assert "Waiting up to start_timeout=2s for 4 barrier slots: the cluster has 2 now" in log, log[-3000:]
+        assert ("Retried after 0 s if retries are left (too few slots): np=4 needs 4 barrier slots, but the cluster "
+                "has 2") in log and "after waiting start_timeout=2s" in log
+    wait = WebDriverWait(browser, BROWSER_WAIT_S)
+    for task_id, why in [("raises", "Not retried (user code): the training function raised ValueError"),
+                         ("more_ranks_than_slots", "Retried after 0 s if retries are left (too few slots)")]:
+        browser.get("%s/horovod/dags/%s/runs/%s/tasks/%s" % (airflow_deployment.base_url, dag_id,
+                                                             quote(run_id, safe=""), task_id))
+        shown = wait.until(lambda d: d.find_elements(By.ID, "failure-retry"))
+        assert shown[0].text.startswith(why), shown[0].text
+
+
 def test_two_runs_at_once_and_a_mapped_task_on_one_spark_cluster_keep_their_artifacts_apart(airflow_deployment: Deployment):
     api = airflow_deployment.api
     dag_id = "hvd_deploy_many"

@@ -16,7 +16,8 @@ The driver's side runs inside the driver's namespace. Each round, in alternating
   version as well (then the driver lands the checkpoint twice, and the hand-over's figure shows it).
 - ``stream``: the same stream without Spark: ``transfer.send_tree`` in a process on the worker
   host to ``transfer.receive_tree`` in a thread of the driver's process, over ``wire``'s
-  authenticated connection. CPU: the sending process's and the receiving thread's own.
+  authenticated, encrypted connection (AES-256-GCM, issue 40). CPU: the sending process's and the
+  receiving thread's own.
 - ``tcp``: the same number of bytes, from a file on the worker host's /tmp, sent with
   ``socket.sendfile`` over one TCP connection to the driver, which writes it to a file in the same
   folder as the pull's: the link's and the disk's speed, with no framing, MAC or protocol. CPU as
@@ -28,8 +29,8 @@ checkpoint every 4 s for 16 s, each shipped as a version while training goes on)
 version's latency from rank 0's rename to its commit on the driver (the hosts are namespaces of one
 kernel: one clock). Then the pull rounds with the link unshaped.
 
-Targets (issue 20): pull >= 0.95x tcp shaped and >= 0.7x tcp unshaped; driver RSS growth (peak
-during a pull, sampled every 10 ms) <= 150 MB; commit latency across hosts <= ``--version-mib``
+Targets (issue 20; issue 40 for the encrypted pull): pull >= 0.95x tcp shaped and >= 0.7x tcp
+unshaped; driver RSS growth (peak during a pull, sampled every 10 ms) <= 150 MB; commit latency across hosts <= ``--version-mib``
 / the link's rate (plain TCP's, measured) + 2 s. CPU seconds are per transfer of ``--mib`` MiB
 (kernel time spent on a process's behalf included).
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,17 @@ def test_a_frame_altered_replayed_reordered_or_truncated_is_refused(tmp_path, mo
     assert [m["n"] for m in got] == ([0, 1] if mode == "replay" else [0])
     assert isinstance(errors[0], wire.AuthenticationError)
     assert "failed verification" in str(errors[0]) and "replayed, reordered or cut short" in str(errors[0])
+
+
+def test_a_frame_sent_back_to_its_sender_is_refused():
+    # Each direction has a key of its own: a relay reflecting a client's frame back to it gets nowhere.
+    ours, theirs = socket.socketpair()
+    client = wire.ClientConnection(ours, bytes(32), wire.ROLE_TASK)
+    try:
+        client.send({"t": "log", "n": 0})
+        theirs.sendall(theirs.recv(4096))
+        with pytest.raises(wire.AuthenticationError, match="failed verification"):
+            client.recv()
+    finally:
+        client.close()
+        theirs.close()

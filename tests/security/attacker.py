@@ -126,36 +126,28 @@ def changed(frames):
             size = struct.unpack("!I", frame[:4])[0] // 2
             yield struct.pack("!I", size) + frame[4:4 + size] + frame[-%(tag)d:]
 def up(client, server):
-    try:
-        for frame in changed(frames_of(client)):
-            keep(frame)
-            server.sendall(frame)
-    except OSError:
-        pass
-    finally:
-        for sock in (client, server):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+    for frame in changed(frames_of(client)):
+        keep(frame)
+        server.sendall(frame)
 def down(server, client):
+    while data := server.recv(65536):
+        keep(data)
+        client.sendall(data)
+def pump(how, *socks):
     try:
-        while data := server.recv(65536):
-            keep(data)
-            client.sendall(data)
+        how(*socks)
     except OSError:
         pass
-    finally:
-        for sock in (client, server):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+    for sock in socks:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 while True:
     client, _ = listener.accept()
     server = socket.create_connection(upstream)
-    threading.Thread(target=up, args=(client, server), daemon=True).start()
-    threading.Thread(target=down, args=(server, client), daemon=True).start()
+    threading.Thread(target=pump, args=(up, client, server), daemon=True).start()
+    threading.Thread(target=pump, args=(down, server, client), daemon=True).start()
 """ % {"nonce": wire.NONCE_BYTES, "proof": wire.KNOCK_PROOF, "tag": wire.TAG_BYTES}
 
 

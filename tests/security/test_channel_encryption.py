@@ -68,12 +68,14 @@ def test_a_relay_sees_no_checkpoint_byte_metric_name_or_rank_output(tmp_path, re
         assert secret not in seen
 
 
-def test_a_run_whose_frames_are_altered_on_the_way_fails_cleanly_and_says_so(tmp_path, relayed, no_leftover_processes):
+@pytest.mark.parametrize("change", ["tamper", "replay", "reorder", "truncate"])
+def test_a_run_whose_frames_are_changed_on_the_way_fails_cleanly_and_says_so(tmp_path, relayed, change,
+                                                                             no_leftover_processes):
     from airflow_provider_horovod import HorovodRunner
     from airflow_provider_horovod.exceptions import HorovodRunError
 
     _record, mode = relayed
-    mode["mode"] = "tamper"
+    mode["mode"] = change
     runner = HorovodRunner(-1, launcher="gloo", artifact_dir=tmp_path / "out", start_timeout=20)
     with pytest.raises(HorovodRunError) as raised:
         runner.run(_train)

@@ -59,7 +59,7 @@ NONCE_BYTES = 16
 TAG_BYTES = 16  # a GCM tag, after each frame's ciphertext
 _SLACK = 16  # the cipher's update_into wants its output buffer a block longer than its input
 MAX_FRAME = 64 * 1024 * 1024
-PIECE = 256 * 1024  # how much of a large frame is in user space at once: tagged while it is in the CPU's cache
+PIECE = 256 * 1024  # how much of a large frame is in user space at once: encrypted while it is in the CPU's cache
 HELLO_MAX = 4096  # the most a server reads from a peer it has not authenticated yet
 HANDSHAKE_TIMEOUT = 10.0
 MAX_ROLE = 16
@@ -216,7 +216,7 @@ class FramedConnection:
     """One side of an authenticated, encrypted connection; ``send``/``recv`` move JSON objects or raw frames.
 
     A frame on the wire is ``length || ciphertext || tag``: the body encrypted with AES-256-GCM under
-    this direction's key (``_direction_keys``), the 4-byte length as associated data, the frame's
+    this direction's key (``_direction_key``), the 4-byte length as associated data, the frame's
     sequence number in this direction as the nonce. Nothing of the body crosses in clear, and a frame
     that was altered, replayed, reordered, dropped or cut short fails its tag."""
 

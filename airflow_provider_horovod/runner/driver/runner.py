@@ -242,6 +242,7 @@ class HorovodRunner:
                 record.ending = attempt.ending or Ending.FAILED
                 if not (attempt.ending and self.restarts.restarts(attempt.ending, number)):
                     self._name_attempts(err, report, record)
+                    _name_unverified(err, attempt.channel.unverified)
                     raise
                 if self._cancelled.is_set():
                     raise RunCancelledError("The Horovod job was cancelled while it restarted; every rank was stopped.") from err
@@ -393,3 +394,13 @@ class HorovodRunner:
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _name_unverified(err: BaseException, unverified: list[str]) -> None:
+    """The run's error also says when the driver's channel refused frames of keyed peers: something
+    between the executors and the driver altered, replayed, reordered or cut them."""
+    if not unverified or not isinstance(err, HorovodRunError) or not err.args:
+        return
+    err.args = ("%s\n\nThe driver's channel refused %d frame(s) from this run's own processes: %s. Something "
+                "between the executors and the driver changed the traffic (see docs/security.md)."
+                % (err.args[0], len(unverified), unverified[-1]), *err.args[1:])

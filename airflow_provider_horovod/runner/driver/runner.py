@@ -156,9 +156,9 @@ class HorovodRunner:
         self.launcher = Launcher(launcher)
         self.driver_log_verbosity = driver_log_verbosity
         self.env = env
-        self.deadlines = Deadlines(start_s=float(start_timeout))
-        self.start_timeout = self.deadlines.start_s
         self.stall_timeout = whole_seconds(stall_timeout)
+        self.deadlines = Deadlines(start_s=float(start_timeout), stall_s=float(self.stall_timeout))
+        self.start_timeout = self.deadlines.start_s
         self.timeline = bool(timeline)
         self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else None
         self.resume_from = Path(resume_from).resolve() if resume_from is not None else None

@@ -137,6 +137,7 @@ class Watch:
         self._print: tuple = ()
         self._since = time.monotonic()
         self._sent_stacks = False
+        self.longest_idle_s = 0.0
         self._done = threading.Event()
         self._main = threading.main_thread().ident
         self._host = socket.gethostname()
@@ -153,6 +154,7 @@ class Watch:
         if printed != self._print or self._reports != self._seen_reports:
             self._print, self._seen_reports, self._since, self._sent_stacks = printed, self._reports, now, False
         idle = now - self._since
+        self.longest_idle_s = max(self.longest_idle_s, idle)  # what a healthy run shows (benchmarks/throughput.py)
         stacks = None
         if idle >= self.stall_timeout_s / 2 and not self._sent_stacks:
             stacks, self._sent_stacks = stacks_text(), True  # the same stack until it moves: sent once

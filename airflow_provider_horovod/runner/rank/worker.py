@@ -149,7 +149,7 @@ def _setup(rank: int):
     host, _, port = os.environ.get(names.ENV_CHANNEL, "").rpartition(":")
     client = ChannelClient((host, int(port)) if port and key else None, Credentials(rank_role(rank), key))
     runtime._client = client
-    if client.connected:  # the stall rule's pulse, before anything slow (imports, unpickling) runs
+    if client.connected and os.environ.get(names.ENV_STALL_WATCH) != "0":  # the stall rule's pulse, before anything slow
         from airflow_provider_horovod.runner.rank.stacks import Watch
 
         runtime._watch = Watch(client, float(os.environ.get(names.ENV_STALL_TIMEOUT, "600")))

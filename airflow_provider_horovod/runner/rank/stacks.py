@@ -31,9 +31,10 @@ MAX_STACKS_CHARS = 32 * 1024  # one rank's stacks in a beat (a deep recursion is
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _LIBRARY_DIRS = tuple(sorted({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib", "purelib", "platlib")}
                              | {_PACKAGE_DIR}))
-# where a rank waits for its peers: the frameworks' collectives (Horovod's, torch.distributed's, DDP's)
+# where a rank waits for its peers: the frameworks' collectives (Horovod's, torch.distributed's, DDP's;
+# DDP allreduces the gradients inside autograd's backward, so a DDP rank waits there)
 _COLLECTIVE_PARTS = (os.sep + "horovod" + os.sep, os.sep.join(("", "torch", "distributed", "")),
-                     os.sep.join(("", "torch", "nn", "parallel", "")))
+                     os.sep.join(("", "torch", "nn", "parallel", "")), os.sep.join(("", "torch", "autograd", "")))
 
 
 def is_user_file(filename: str) -> bool:

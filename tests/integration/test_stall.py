@@ -60,4 +60,5 @@ def test_a_rank_that_stalls_at_step_3_fails_the_try_naming_it_and_where_it_is(sp
         assert caught.value.unresponsive  # the infrastructure: restarts and retries
     if launcher != "torch" and how == "sleep":  # (a stopped rank also stops Horovod's coordination: no words)
         assert "rank 1 never submitted allreduce.grad.step (waited %d s)" % STALL_TIMEOUT_S in first_line
-    assert runner.last_run.error["traceback"].startswith("Python stacks at the stall")
+    assert runner.last_run.error["traceback"].startswith("Python stacks at the stall")  # the view's failure panel
+    assert runner.last_run.error["message"] == first_line

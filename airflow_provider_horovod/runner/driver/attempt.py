@@ -441,8 +441,11 @@ class Attempt:
         if failure.stall and self.supervisor is not None and self.supervisor.stalls.verdict_at is not None:
             failure = self.supervisor.stalls.failure()  # told again with what the tasks saw of the silent ranks
         self.report.error = failure.to_json()
-        return run_error(failure, channel.tails(), others, launcher=self.runner.launcher,
-                         stall_timeout=self.runner.stall_timeout)
+        err = run_error(failure, channel.tails(), others, launcher=self.runner.launcher,
+                        stall_timeout=self.runner.stall_timeout)
+        if failure.stall:  # the first line as the user reads it, with the tensors Horovod named
+            self.report.error["message"] = str(err).split("\n", 1)[0]
+        return err
 
     def _spark_error(self, err: BaseException, channel: Channel) -> HorovodRunError:
         if self.runner._cancelled.is_set():

@@ -139,6 +139,7 @@ class Watch:
         self._since = time.monotonic()
         self._sent_stacks = False
         self.longest_idle_s = 0.0
+        self.busy_s = 0.0
         self._done = threading.Event()
         self._main = threading.main_thread().ident
         self._host = socket.gethostname()
@@ -163,10 +164,12 @@ class Watch:
 
     def _loop(self) -> None:
         while not self._done.wait(self.beat_s):
+            began = time.perf_counter()
             try:
                 self._client.send(self.sample(time.monotonic()))
             except Exception:  # noqa: BLE001 - the watch never breaks the rank it watches
                 pass
+            self.busy_s += time.perf_counter() - began  # what it took from training, at most (benchmarks)
 
     def close(self) -> None:
         """The training function returned: a last beat says so (a finished rank is not a silent one)."""

@@ -2,7 +2,7 @@
 
 A daemon thread samples the main thread's Python stack every ``beat_s`` (``sys._current_frames``:
 no signal, no ptrace, a few microseconds) and sends the driver a ``Beat``: how long the stack has
-stayed the same (``runtime.report()`` counts as a change), and, once it has stayed the same for half
+stayed the same (``runtime.report()`` and a torch optimizer's ``step()`` count as a change), and, once it has stayed the same for half
 of ``stall_timeout``, every thread's stack with the user's frames first. A rank that stops beating
 (stopped by the OS, stuck in C code that holds the GIL, gone) is one the driver names as silent; the
 driver's supervisor decides what is a stall (``driver/stalls.py``).
@@ -140,17 +140,31 @@ class Watch:
         self._sent_stacks = False
         self.longest_idle_s = 0.0
         self.busy_s = 0.0
+        self._hooked = False
         self._done = threading.Event()
         self._main = threading.main_thread().ident
         self._host = socket.gethostname()
         self._thread = threading.Thread(target=self._loop, name="hvdrunner-stall-watch", daemon=True)
         self._thread.start()
 
-    def progress(self) -> None:
-        self._reports += 1  # one add: runtime.report() costs training nothing more
+    def progress(self, *_: object) -> None:
+        self._reports += 1  # one add: runtime.report() and an optimizer step cost training nothing more
+
+    def _hook_optimizers(self) -> None:
+        """Once torch's optimizers are imported: every ``optimizer.step()`` of any torch optimizer
+        (DDP's, FSDP's, accelerate's, Horovod's DistributedOptimizer) is progress. Sampling alone can
+        alias: a loop whose main thread releases the GIL at one place (``backward()``, a CUDA sync)
+        is sampled there again and again, one stack however many steps pass."""
+        if self._hooked or "torch.optim.optimizer" not in sys.modules:
+            return
+        self._hooked = True
+        register = getattr(sys.modules["torch.optim.optimizer"], "register_optimizer_step_post_hook", None)
+        if register is not None:
+            register(self.progress)
 
     def sample(self, now: float) -> Beat:
         """This moment's beat (the thread calls it every ``beat_s``)."""
+        self._hook_optimizers()
         frame = sys._current_frames().get(self._main)
         printed = fingerprint(frame)
         if printed != self._print or self._reports != self._seen_reports:

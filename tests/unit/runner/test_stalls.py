@@ -131,3 +131,26 @@ def test_the_watch_sends_its_stacks_once_the_stack_stood_still_for_half_the_stal
     finally:
         watch.close()
     assert sent[-1].done
+
+
+def test_an_optimizer_step_is_progress_though_the_sampled_stack_stays_the_same():
+    import torch
+
+    sent = []
+
+    class Client:
+        def send(self, msg):
+            sent.append(msg)
+
+    watch = stacks.Watch(Client(), stall_timeout_s=3600.0)
+    try:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        now, beats = time.monotonic(), []
+        for later in (0, 1000, 2000):  # sampled from one line, as a loop sampled in backward() every time
+            if later == 2000:
+                optimizer.step()
+            beats.append(watch.sample(now + later))
+        assert beats[1].idle_s == 1000.0 and beats[2].idle_s == 0.0
+    finally:
+        watch.close()

@@ -383,12 +383,15 @@ def sleeps_in_user_code(seconds: float) -> None:
     time.sleep(seconds)  # the line a stalled rank's failure shows (test_stall.py)
 
 
-def stalling_job(collective: str = "horovod", how: str = "sleep", marker: str = "", steps: int = 6):
+def stalling_job(collective: str = "horovod", how: str = "sleep", marker: str = "", steps: int = 6,
+                 attempts: int = 1000):
     """Every rank allreduces once a step; at step 3 rank 1 stalls before the others' next collective:
     ``how="sleep"`` sleeps an hour in a user function, ``how="sigstop"`` stops its own process. It
-    writes when it stalled (``time.time()``) to ``marker`` first. ``collective``: ``"horovod"``
-    (mpirun, gloo) or ``"torch"`` (launcher="torch")."""
+    writes when it stalled (``time.time()``) to ``marker`` first; only in the first ``attempts``
+    attempts of the run. ``collective``: ``"horovod"`` (mpirun, gloo) or ``"torch"`` (launcher="torch")."""
     import torch
+
+    from airflow_provider_horovod import runtime
 
     if collective == "torch":
         import torch.distributed as dist
@@ -407,7 +410,7 @@ def stalling_job(collective: str = "horovod", how: str = "sleep", marker: str = 
         def collective(tensor):
             hvd.allreduce(tensor, name="grad.step")
     for step in range(steps):
-        if step == 3 and rank == 1:
+        if step == 3 and rank == 1 and runtime.attempt() < attempts:
             with open(marker, "w") as out:
                 out.write(repr(time.time()))
             if how == "sigstop":

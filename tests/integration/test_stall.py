@@ -62,3 +62,11 @@ def test_a_rank_that_stalls_at_step_3_fails_the_try_naming_it_and_where_it_is(sp
         assert "rank 1 never submitted allreduce.grad.step (waited %d s)" % STALL_TIMEOUT_S in first_line
     assert runner.last_run.error["traceback"].startswith("Python stacks at the stall")  # the view's failure panel
     assert runner.last_run.error["message"] == first_line
+
+
+def test_a_stopped_rank_is_lost_infrastructure_and_the_try_restarts_and_finishes(spark, tmp_path):
+    runner = HorovodRunner(2, launcher="torch", spark=spark, stall_timeout=STALL_TIMEOUT_S, max_restarts=1)
+    assert runner.run(jobs.stalling_job, collective="torch", how="sigstop", marker=str(tmp_path / "at"), attempts=1) == 5
+    first, second = runner.last_run.attempts
+    assert first["ending"] == "lost" and first["cause"].startswith("stalled: rank 1 is stopped"), first
+    assert second["ending"] == "success"

@@ -16,6 +16,7 @@ from airflow_provider_horovod.exceptions import (
     Keras3NotSupportedError,
     PayloadError,
     RunCancelledError,
+    StallError,
     TrainingStackError,
 )
 __version__ = "0.1.0"
@@ -31,6 +32,7 @@ __all__ = [
     "Keras3NotSupportedError",
     "PayloadError",
     "RunCancelledError",
+    "StallError",
     "TrainingStackError",
     "__version__",
 ]

@@ -65,6 +65,20 @@ class ClusterSettingsError(HorovodRunError):
     ...). Raised before the job starts; the message names the setting and its fix."""
 
 
+class StallError(HorovodRunError):
+    """No rank made progress for ``stall_timeout`` (the driver's stall rule). The first line names the
+    stalled ranks; the message holds every rank's Python stacks.
+
+    ``unresponsive``: a stalled rank did not answer (stopped, stuck in native code, gone): the
+    infrastructure, which an in-try restart and ``HorovodRetryPolicy`` retry. Otherwise a rank was
+    stuck in the user's code: a bug, which neither restarts nor retries.
+    """
+
+    @property
+    def unresponsive(self) -> bool:
+        return (self.failure or {}).get("stall") == "unresponsive"
+
+
 class PayloadError(ValueError):
     """The training callable or its arguments cannot be shipped to the ranks."""
 

@@ -14,8 +14,11 @@ the training function raised (a rank's own exception)  fail now: the next try ra
 ``ClusterSettingsError``, ``Keras3NotSupportedError``
 ``InsufficientSlotsError`` (too few slots)             retry after ``slots_delay`` (5 min)
 a lost host, executor or task; a rank killed by a      retry after ``lost_delay`` (30 s), resumed
-signal (the OOM killer, a preemption)                  from the newest committed checkpoint
-anything else (a stall, a cancel, a timeout, ...)      Airflow's default (``retries``,
+signal (the OOM killer, a preemption); a stall whose   from the newest committed checkpoint
+stalled rank did not answer (``StallError``,
+``unresponsive``: stopped, gone)
+a stall with a rank stuck in the user's code           fail now: a bug, the next try stalls again
+anything else (a cancel, a timeout, ...)               Airflow's default (``retries``,
                                                        ``retry_delay``), or ``fallback``'s decision
 =====================================================  ==========================================
 
@@ -125,6 +128,12 @@ def _judge_run(error: HorovodRunError, failure: dict[str, Any]) -> Verdict:
     exception = str(failure.get("exception") or "")
     rank = failure.get("rank", error.rank)
     where = "rank %s%s" % (rank, " on %s" % failure.get("host") if failure.get("host") else "")
+    if failure.get("stall") == "unresponsive":  # the driver's stall rule: a rank that cannot answer
+        return Verdict(Cause.LOST, "%s did not answer in a stall (stopped, stuck outside Python or gone): %s"
+                       % (where, _first_line(error)))
+    if failure.get("stall") == "stuck":
+        return Verdict(Cause.USER_CODE, "%s was stuck in the training function's code in a stall; the next try "
+                       "would stall again. Fix the code and clear the task: %s" % (where, _first_line(error)))
     if exception and not exception.startswith(_PEER_GONE) and not str(failure.get("message", "")).startswith("stalled:"):
         return Verdict(Cause.USER_CODE, "the training function raised %s in %s; the next try would raise it "
                        "again. Fix the code and clear the task" % (one_line(exception)[:300], where))

@@ -24,6 +24,7 @@ from airflow_provider_horovod.runner import names
 
 _client = None  # set by the rank process (``runner.rank.worker``) to its ChannelClient
 _reporter = None  # rank 0's ``runner.rank.reports.Reporter``, set by the rank process
+_watch = None  # the rank's ``runner.rank.stacks.Watch`` (the stall rule's pulse), set by the rank process
 
 
 def _int(*names_: str, default: int) -> int:
@@ -134,6 +135,8 @@ def report(step: int | None = None, total_steps: int | None = None, **metrics: f
     from airflow_provider_horovod.runner.messages import Report
 
     made = Report.make(time.time(), step, total_steps, metrics)
+    if _watch is not None:
+        _watch.progress()  # a report is progress for the stall rule, on every rank
     if _reporter is not None and rank() == 0:
         _reporter.offer(made)
 

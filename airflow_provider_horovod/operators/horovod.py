@@ -94,10 +94,10 @@ class HorovodRunnerOperator(BaseOperator):
     :param start_timeout: seconds to wait for enough free barrier slots and for every barrier task
         to start (120 by default). On a cluster shared with other jobs, a task that finds the slots
         taken waits this long before it fails with ``InsufficientSlotsError``.
-    :param stall_timeout: seconds a collective may wait for a rank that never submits it (uneven
-        batches, an exception swallowed on one rank) before Horovod shuts the job down; the try then
-        fails with ``stalled: rank 1 never submitted <tensor> (waited <n> s)`` instead of holding every
-        slot until ``execution_timeout`` (600 by default).
+    :param stall_timeout: seconds a try may go without any rank making progress (a collective some
+        rank never joins, a rank asleep or stopped) before it fails with ``StallError``, naming the
+        stalled rank, where it is and every rank's stacks, instead of holding every slot until
+        ``execution_timeout`` (600 by default; every launcher).
     :param max_artifact_bytes: the most rank 0's artifacts may hold (1 TiB by default); more fails
         the try with ``ArtifactError`` rather than fill the Airflow worker's disk.
     :param max_artifact_files: the most files rank 0's artifacts may hold (100 000 by default).

@@ -30,6 +30,7 @@ class Failure:
     launcher_output: tuple[str, ...] = ()  # mpirun's own words, after the rank's
     consequence: bool = False  # a rank ended because the job was being stopped
     lost: bool = False  # the driver lost the task: its Python worker, executor or host is gone (restarts)
+    stall: str | None = None  # a stall (driver/stalls.py): "unresponsive" (restarts, retries) or "stuck" (a bug)
     time: float = dataclasses.field(default_factory=time.time)
 
     def to_json(self) -> dict[str, Any]:
@@ -56,7 +57,7 @@ class Failure:
                    host=text("host"), executor=text("executor"), exception=text("exception"), exit=text("exit"),
                    traceback=text("traceback") or "", tail=lines("tail"), launcher_output=lines("launcher_output"),
                    consequence=raw.get("consequence") is True, lost=raw.get("lost") is True,
-                   error_class=text("error_class"),
+                   error_class=text("error_class"), stall=text("stall"),
                    time=when if isinstance(when, float) else time.time())
 
     @property
@@ -130,8 +131,28 @@ class CancelRequested:
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class RankBeat:
+    """A rank's pulse (``messages.Beat``): the stall rule's input (``driver/stalls.py``)."""
+
+    rank: int
+    pid: int
+    host: str
+    idle_s: float
+    where: str
+    stacks: str | None = None
+    done: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RanksInspected:
+    """What a task saw of its ranks' processes before it stopped them (``messages.RankStates``)."""
+
+    states: Mapping[int, Mapping[str, Any]]
+
+
 Event = (TaskStarted | FactsReported | TaskReady | RankFailed | TaskFinished | TaskLost | UploadStarted
-         | UploadFinished | JobEnded | CancelRequested)
+         | UploadFinished | JobEnded | CancelRequested | RankBeat | RanksInspected)
 
 
 # -- what a run leaves behind --------------------------------------------------------------------

@@ -600,3 +600,29 @@ def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
             raise ValueError("runtime.report(%s=...) got %r; report finite numbers" % (key, number))
         out[key] = number
     return out
+
+
+# -- the stall rule (driver/stalls.py) -------------------------------------------------------------
+@message("beat")
+@dataclasses.dataclass(frozen=True)
+class Beat(Message):
+    """A rank's pulse (``rank/stacks.py``): how long its main thread's stack has stayed the same,
+    where it is, every thread's stack once it has stayed long enough, ``done`` when its function returned."""
+
+    pid: int
+    host: str
+    idle_s: float
+    where: str
+    stacks: str | None = None
+    done: bool = False
+    rank: int | None = None  # set by the channel from the sender's key, never by the sender
+
+
+@message("rank-states")
+@dataclasses.dataclass(frozen=True)
+class RankStates(Message):
+    """A task's look at its ranks' processes when told to stop, before it kills them
+    (``task/rank_states.py``): ``{"1": {"pid": 42, "status": "stopped"}}``, psutil's words."""
+
+    partition: int
+    states: dict[str, dict]

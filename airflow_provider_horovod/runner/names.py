@@ -22,6 +22,8 @@ ENV_VERBOSITY = "HVDRUNNER_VERBOSITY"  # "all" or "log_callback_only"
 ENV_TIMELINE = "HVDRUNNER_TIMELINE"  # "1": every rank sets HOROVOD_TIMELINE, rank 0's comes back
 ENV_HAS_RESUME = "HVDRUNNER_HAS_RESUME"  # "1": the host's first task fetched resume_from
 ENV_RESUME_DIR = "HVDRUNNER_RESUME_DIR"  # where resume_from is on this host (runtime.resume_dir)
+ENV_STALL_TIMEOUT = "HVDRUNNER_STALL_TIMEOUT"  # seconds: the rank's stall watch beats eight times per (rank/stacks.py)
+ENV_STALL_WATCH = "HVDRUNNER_STALL_WATCH"  # "0" in env=: no stall watch, no stall rule (benchmarks/throughput.py --mode stall)
 ENV_ATTEMPT = "HVDRUNNER_ATTEMPT"  # which attempt of the run this is: 0, then 1, ... after each restart
 ENV_TASK_DIR = "HVDRUNNER_TASK_DIR"  # the rank's task folder (runtime.checkpoint_dir)
 ENV_EXEC_SERVICES = "HVDRUNNER_EXEC_SERVICES"  # mpirun's rsh agent: {host: "addr:port"}

@@ -70,7 +70,10 @@ def kill_tree(proc: subprocess.Popen | int, grace_s: float = TERM_GRACE_S) -> No
         os.killpg(pid, signal.SIGTERM)
     for p in procs:
         with contextlib.suppress(psutil.Error):
-            p.terminate()
+            if p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                p.kill()  # a stopped process never acts on SIGTERM: waiting for it would only cost the grace
+            else:
+                p.terminate()
     _, left = psutil.wait_procs(procs, timeout=grace_s)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)

@@ -29,10 +29,18 @@ _SHUTDOWN = re.compile(r"stalled for longer than (\d+) seconds\. Will shutdown")
 
 
 def stall_env(stall_timeout_s: int) -> dict[str, str]:
-    """Horovod ends a collective some rank never joins after ``stall_timeout_s``; it checks four
-    times per timeout (at most every 60 s), so it ends within 1.25 x ``stall_timeout_s``."""
+    """Horovod warns of a collective some rank has not joined after a quarter of ``stall_timeout_s``
+    (at most every 60 s): its warning names the tensor. The driver's own stall rule ends the try
+    after ``stall_timeout_s`` (``driver/stalls.py``), once it has every rank's stacks; Horovod's
+    shutdown comes a quarter later, only where the driver cannot (ranks that cannot reach its channel)."""
     check = max(1, min(MAX_CHECK_S, stall_timeout_s // 4))
-    return {CHECK_TIME_ENV: str(check), SHUTDOWN_TIME_ENV: str(stall_timeout_s)}
+    return {CHECK_TIME_ENV: str(check), SHUTDOWN_TIME_ENV: str(stall_timeout_s + max(5, check))}
+
+
+def beat_interval(stall_timeout_s: float) -> float:
+    """How often a rank samples its stack and beats (``rank/stacks.py``): eight times per stall
+    timeout, between 0.25 s and 1 s."""
+    return min(1.0, max(0.25, stall_timeout_s / 8))
 
 
 def whole_seconds(stall_timeout: float) -> int:

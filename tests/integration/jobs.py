@@ -417,3 +417,45 @@ def preemptible_job(steps: int = 12, pause: float = 0.3, marker: str = "", with_
     if with_dataset:
         result["rows"] = runtime.dataset().num_rows
     return result
+
+
+def sleeps_in_user_code(seconds: float) -> None:
+    time.sleep(seconds)  # the line a stalled rank's failure shows (test_stall.py)
+
+
+def stalling_job(collective: str = "horovod", how: str = "sleep", marker: str = "", steps: int = 6,
+                 attempts: int = 1000):
+    """Every rank allreduces once a step; at step 3 rank 1 stalls before the others' next collective:
+    ``how="sleep"`` sleeps an hour in a user function, ``how="sigstop"`` stops its own process. It
+    writes when it stalled (``time.time()``) to ``marker`` first; only in the first ``attempts``
+    attempts of the run. ``collective``: ``"horovod"`` (mpirun, gloo) or ``"torch"`` (launcher="torch")."""
+    import torch
+
+    from airflow_provider_horovod import runtime
+
+    if collective == "torch":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+
+        def collective(tensor):
+            dist.all_reduce(tensor)
+    else:
+        import horovod.torch as hvd
+
+        hvd.init()
+        rank = hvd.rank()
+
+        def collective(tensor):
+            hvd.allreduce(tensor, name="grad.step")
+    for step in range(steps):
+        if step == 3 and rank == 1 and runtime.attempt() < attempts:
+            with open(marker, "w") as out:
+                out.write(repr(time.time()))
+            if how == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            sleeps_in_user_code(3600)
+        collective(torch.ones(4))
+        time.sleep(0.05)
+    return step

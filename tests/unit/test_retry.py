@@ -78,6 +78,23 @@ def test_a_lost_host_or_a_rank_killed_by_a_signal_is_retried_after_the_lost_dela
     assert "(lost infrastructure)" in decision.reason
 
 
+def test_a_stall_with_an_unresponsive_rank_is_retried_and_one_stuck_in_user_code_fails_at_once():
+    from airflow_provider_horovod.exceptions import StallError
+
+    stopped = _run_error(Failure("stalled: rank 1 is stopped (SIGSTOP, a debugger or job control); silent for 5.0 s",
+                                 rank=1, host="hvdhost1", stall="unresponsive", lost=True, error_class="StallError"))
+    assert isinstance(stopped, StallError) and stopped.unresponsive
+    decision = HorovodRetryPolicy(lost_delay=12).evaluate(stopped, try_number=1, max_tries=3)
+    assert (decision.action, decision.retry_delay) == (RetryAction.RETRY, timedelta(seconds=12))
+    assert "(lost infrastructure): rank 1 on hvdhost1 did not answer in a stall" in decision.reason
+    stuck = _run_error(Failure("stalled: rank 1 in user code at train (job.py:12)", rank=1, stall="stuck",
+                               error_class="StallError"))
+    assert not stuck.unresponsive
+    decision = HorovodRetryPolicy().evaluate(stuck, try_number=1, max_tries=3)
+    assert decision.action == RetryAction.FAIL
+    assert "Not retried (user code): rank 1 was stuck in the training function's code" in decision.reason
+
+
 def test_spark_losing_an_executor_is_retried():
     error = HorovodRunError("The Spark job running the Horovod ranks failed:\n  ExecutorLostFailure (executor 1 exited)")
     assert judge(error).cause == Cause.LOST

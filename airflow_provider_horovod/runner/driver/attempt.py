@@ -54,10 +54,11 @@ from airflow_provider_horovod.runner.driver.supervisor import (
     Upload,
 )
 from airflow_provider_horovod.runner.environment import stack_of_this_host
-from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport
+from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RanksInspected, RunReport
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
 from airflow_provider_horovod.runner.readiness import shm_warnings
 from airflow_provider_horovod.runner.stall import stall_in
+from airflow_provider_horovod.runner.task import rank_states
 from airflow_provider_horovod.runner.task.barrier import (
     ERROR_MARKER,
     RunSpec,
@@ -213,6 +214,8 @@ class Attempt:
         self._ranks_started()
 
         def act(action: Action) -> None:
+            if isinstance(action, Stop):
+                events.put(RanksInspected({int(r): v for r, v in rank_states.snapshot().items()}))  # before the kill
             if isinstance(action, (Stop, CutOff)):
                 procs.kill_all()  # the ranks (or mpirun) this process started; rank 0's folder still goes up
             if isinstance(action, CutOff):
@@ -453,9 +456,14 @@ class Attempt:
         return cloudpickle.loads(result)
 
     def _error(self, failure: Failure, channel: Channel, others: list[Failure] = ()) -> HorovodRunError:
+        if failure.stall and self.supervisor is not None and self.supervisor.stalls.verdict_at is not None:
+            failure = self.supervisor.stalls.failure()  # told again with what the tasks saw of the silent ranks
         self.report.error = failure.to_json()
-        return run_error(failure, channel.tails(), others, launcher=self.runner.launcher,
-                         stall_timeout=self.runner.stall_timeout)
+        err = run_error(failure, channel.tails(), others, launcher=self.runner.launcher,
+                        stall_timeout=self.runner.stall_timeout)
+        if failure.stall:  # the first line as the user reads it, with the tensors Horovod named
+            self.report.error["message"] = str(err).split("\n", 1)[0]
+        return err
 
     def _spark_error(self, err: BaseException, channel: Channel) -> HorovodRunError:
         if self.runner._cancelled.is_set():
@@ -490,19 +498,24 @@ def run_error(failure: Failure, tails: dict[int, list[str]], others: list[Failur
     message = one_line(failure.message)
     stall = stall_in([failure.tail, *(other.tail for other in others), *tails.values()])
     if stall is not None:  # Horovod's words say why the collectives broke: that comes first
-        # its "Will shutdown" line may die with rank 0; Horovod shuts down only after stall_timeout
+        # its "Will shutdown" line may die with rank 0; either rule ends a try only after stall_timeout
         stall = dataclasses.replace(stall, waited_s=max(stall.waited_s, stall_timeout))
+    if stall is not None and failure.stall:  # the driver's stall rule ended it: Horovod's words name the tensors
+        message = message.replace("stalled: ", "stalled: %s; " % stall.text.removeprefix("stalled: "), 1)
+    elif stall is not None:
         message = "%s\n%s" % (one_line(stall.advice(stall_timeout)), message)
     if failure.exit and failure.exit not in failure.message:
         message += " (the process %s)" % one_line(failure.exit)
     if not failure.traceback and failure.tail:
         message += "\n\nLast %d lines of rank %s:\n%s" % (len(failure.tail), failure.rank, quoted(failure.tail))
+    if failure.stall:  # every rank's stacks, after the line that names who stalled
+        message += "\n\n%s" % quoted_text(failure.traceback)
     if failure.launcher_output:
         message += "\n\n%s said:\n%s" % (launcher, quoted(failure.launcher_output[-40:]))
     for other in others:  # what the other hosts' daemons said, when they said anything
         if other is not cause and other.rank is None and other.launcher_output:
             message += "\n%s" % quoted(other.launcher_output[-20:])
     err = rank_error(failure.error_class, message, rank=failure.rank, host=failure.host,
-                     remote_traceback=failure.traceback or None, log_tail=tails)
+                     remote_traceback=(failure.traceback or None) if not failure.stall else None, log_tail=tails)
     err.failure = failure.to_json()  # what HorovodRetryPolicy reads
     return err

@@ -74,10 +74,12 @@ def _logging_takes_rank_lines() -> bool:
 # are checked before it is parsed (``wire.FramedConnection.recv``), and no rank frame is read past
 # the largest of its role's (docs/security.md, "What a rank can cost the driver").
 KiB, MiB = 1024, 1024 * 1024
-_RANK_SAYS = {messages.Logs: 2 * messages.LOGS_FRAME_BYTES, messages.Error: 4 * MiB, messages.Report: 128 * KiB}
+_RANK_SAYS = {messages.Logs: 2 * messages.LOGS_FRAME_BYTES, messages.Error: 4 * MiB, messages.Report: 128 * KiB,
+              messages.Beat: 128 * KiB}
 _TASK_SAYS = {messages.Logs: 16 * MiB, messages.Error: 16 * MiB, messages.Report: 128 * KiB, messages.Event: 4 * KiB,
               messages.Hello: 4 * KiB, messages.Facts: MiB, messages.Ready: 4 * KiB, messages.Finished: wire.MAX_FRAME,
-              messages.PutArtifacts: 4 * KiB, messages.FetchResume: 4 * KiB, messages.PutVersion: wire.MAX_FRAME}
+              messages.PutArtifacts: 4 * KiB, messages.FetchResume: 4 * KiB, messages.PutVersion: wire.MAX_FRAME,
+              messages.RankStates: 64 * KiB}
 _ALLOWED = {wire.ROLE_RANK: {m.TYPE: most for m, most in _RANK_SAYS.items()},
             wire.ROLE_TASK: {m.TYPE: most for m, most in _TASK_SAYS.items()}}
 MAX_EVENTS = 1024  # events recorded from the tasks per attempt (one orted-launched per task); more are dropped
@@ -374,6 +376,10 @@ class Channel:
             self._record_sent(msg)
         elif isinstance(msg, Report):
             self._report(msg)
+        elif isinstance(msg, messages.Beat):
+            self._emit(events.RankBeat(msg.rank, msg.pid, msg.host, msg.idle_s, msg.where, msg.stacks, msg.done))
+        elif isinstance(msg, messages.RankStates):
+            self._emit(events.RanksInspected({int(r): s for r, s in msg.states.items() if r.isdigit() and isinstance(s, dict)}))
 
     def _report(self, report: Report) -> None:
         """Rank 0's report goes on, at most one an interval (``ReportGate``); the rank's own

@@ -68,17 +68,18 @@ class HorovodRunner:
     :param launcher: ``"mpirun"`` (the default, as in the original HorovodRunner), ``"gloo"``, or
         ``"torch"``: torch.distributed's own contract as ``torchrun`` sets it (``MASTER_ADDR``, ``RANK``,
         ``WORLD_SIZE``, ``LOCAL_RANK``, ...), so unmodified DDP, FSDP or ``accelerate`` code runs; it
-        needs torch and no Horovod (``stall_timeout`` and ``timeline`` are Horovod's: not under torch).
+        needs torch and no Horovod (``timeline`` is Horovod's: not under torch).
     :param driver_log_verbosity: ``"all"`` streams every rank's output to the driver;
         ``"log_callback_only"`` streams only ``runtime.log_to_driver`` messages. The lines go to the
         ``airflow_provider_horovod.ranks`` logger when logging is configured, else to stdout.
     :param spark: the SparkSession to use; else the active one; else ``getOrCreate()``.
     :param env: extra environment variables for every rank process.
     :param start_timeout: seconds to wait for enough barrier slots and for all tasks to start.
-    :param stall_timeout: seconds a collective may wait for a rank that never submits it (uneven
-        batches, an exception swallowed on one rank) before Horovod shuts the job down and the run
-        fails naming that rank and tensor (600 by default; whole seconds, rounded up). It sets
-        Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` and ``HOROVOD_STALL_CHECK_TIME_SECONDS``.
+    :param stall_timeout: seconds a try may go without any rank making progress (its main thread's
+        stack moving, or ``runtime.report()``) before it fails with ``StallError``, naming the stalled
+        ranks, where they are (user frame, or what the OS says of a rank that does not answer) and
+        every rank's stacks; under every launcher (600 by default; whole seconds, rounded up). Under
+        mpirun and Gloo it also sets Horovod's stall check, which names the tensor (``stall.stall_env``).
     :param timeline: record a Horovod timeline on rank 0 and bring it back (needs ``artifact_dir``).
     :param artifact_dir: a local folder to commit rank 0's checkpoints and timeline into.
     :param resume_from: a checkpoint folder every rank sees as ``runtime.resume_dir()``.
@@ -156,9 +157,9 @@ class HorovodRunner:
         self.launcher = Launcher(launcher)
         self.driver_log_verbosity = driver_log_verbosity
         self.env = env
-        self.deadlines = Deadlines(start_s=float(start_timeout))
-        self.start_timeout = self.deadlines.start_s
         self.stall_timeout = whole_seconds(stall_timeout)
+        self.deadlines = Deadlines(start_s=float(start_timeout), stall_s=float(self.stall_timeout))
+        self.start_timeout = self.deadlines.start_s
         self.timeline = bool(timeline)
         self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else None
         self.resume_from = Path(resume_from).resolve() if resume_from is not None else None

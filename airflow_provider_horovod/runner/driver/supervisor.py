@@ -31,7 +31,9 @@ from airflow_provider_horovod.runner.events import (
     Failure,
     FactsReported,
     JobEnded,
+    RankBeat,
     RankFailed,
+    RanksInspected,
     TaskFinished,
     TaskLost,
     TaskReady,
@@ -40,7 +42,9 @@ from airflow_provider_horovod.runner.events import (
     UploadStarted,
 )
 from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S
+from airflow_provider_horovod.runner.driver.stalls import StallWatch, silence_for
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts
+from airflow_provider_horovod.runner.stall import beat_interval
 
 
 class Phase(enum.StrEnum):
@@ -75,6 +79,7 @@ class Deadlines:
     cancel_bound_s: float = 10.0  # a cancelled run leaves no process after this long (a promise)
     lost_task_grace_s: float = 3.0  # Spark failed the job first: how long the channel may still name the task lost
     preempt_grace_s: float = 10.0  # after a decommission notice, how long a restart waits for rank 0's version
+    stall_s: float = 600.0  # no rank made progress for this long: a stall (the user's stall_timeout, stalls.py)
 
     def __post_init__(self) -> None:
         if self.start_s <= 0:
@@ -146,6 +151,9 @@ class Supervisor:
         self._cut_at: float | None = None
         self._job_failed_at: float | None = None  # Spark failed the job before the channel said why
         self.marks: dict[str, float] = {}
+        self.stalls = StallWatch(deadlines.stall_s, silence_for(beat_interval(deadlines.stall_s)))
+        if not coordinated:
+            self.stalls.start(now)
 
     # -- the verdict -----------------------------------------------------------------------------
     @property
@@ -182,6 +190,7 @@ class Supervisor:
             if self.phase == Phase.PREPARING and len(self._ready) == self.np:
                 self.phase = Phase.RUNNING
                 self._mark("start", now)
+                self.stalls.start(now, len(self.plan.slots) if self.plan is not None else 0)
                 return [SendStart()]
             return []
         if isinstance(event, RankFailed):
@@ -212,6 +221,12 @@ class Supervisor:
             return []
         if isinstance(event, CancelRequested):
             return self._stop("cancel", now)
+        if isinstance(event, RankBeat):
+            self.stalls.beat(event, now)
+            return []
+        if isinstance(event, RanksInspected):
+            self.stalls.inspected(event.states)
+            return []
         raise TypeError("not an event: %r" % (event,))
 
     def _unexplained(self, event: JobEnded) -> bool:
@@ -293,6 +308,8 @@ class Supervisor:
         if self.phase in (Phase.STARTING, Phase.PREPARING) and now - self._began > self.deadlines.start_s \
                 and len(self._facts) < self.np:
             return self._stop("timeout", now)
+        if self.phase == Phase.RUNNING and self.stalls.due(now):
+            return self._on_failure(self.stalls.verdict(now), now)  # its stacks came with the beats: now stop
         if self.phase == Phase.STOPPING and self._cut_at is None and self._stop_at is not None:
             if now >= self._cut_off_time():
                 self._cut_at = now
@@ -318,6 +335,8 @@ class Supervisor:
             candidates.append(self._began + self.deadlines.start_s - now)
         if self.phase == Phase.STOPPING and self._cut_at is None:
             candidates.append(self._cut_off_time() - now)
+        if self.phase == Phase.RUNNING:
+            candidates.append(self.stalls.due_in(now))
         if self._job_failed_at is not None:
             candidates.append(self._job_failed_at + self.deadlines.lost_task_grace_s - now)
         return max(0.01, min(candidates))

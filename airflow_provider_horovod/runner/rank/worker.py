@@ -149,6 +149,10 @@ def _setup(rank: int):
     host, _, port = os.environ.get(names.ENV_CHANNEL, "").rpartition(":")
     client = ChannelClient((host, int(port)) if port and key else None, Credentials(rank_role(rank), key))
     runtime._client = client
+    if client.connected and os.environ.get(names.ENV_STALL_WATCH) != "0":  # the stall rule's pulse, before anything slow
+        from airflow_provider_horovod.runner.rank.stacks import Watch
+
+        runtime._watch = Watch(client, float(os.environ.get(names.ENV_STALL_TIMEOUT, "600")))
     if rank == 0 and client.connected:
         from airflow_provider_horovod.runner.rank.reports import Reporter
 
@@ -195,11 +199,13 @@ def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
 
 
 def _close_reports() -> None:
-    """Rank 0's last report goes before the rank's end does."""
+    """Rank 0's last report goes before the rank's end does; the stall watch says the rank is done."""
     from airflow_provider_horovod import runtime
 
     if runtime._reporter is not None:
         runtime._reporter.close()
+    if runtime._watch is not None:
+        runtime._watch.close()
 
 
 def _before_main() -> None:

@@ -45,6 +45,7 @@ from airflow_provider_horovod.runner.rank import preemption
 from airflow_provider_horovod.runner.plan import Plan, Slot, TaskFacts, make_plan
 from airflow_provider_horovod.runner.rank.keras_guard import LEGACY_KERAS_ENV
 from airflow_provider_horovod.runner.readiness import shm_of_this_host, shm_refusal
+from airflow_provider_horovod.runner.task import rank_states
 from airflow_provider_horovod.runner.task.shipper import ship_checkpoints
 
 WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.rank.worker"]
@@ -100,6 +101,7 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
             names.ENV_TIMELINE: "1" if spec.timeline else "0",
             names.ENV_HAS_RESUME: "1" if spec.has_resume and not spec.resume_local else "0",
             names.ENV_ATTEMPT: str(spec.attempt),
+            names.ENV_STALL_TIMEOUT: str(spec.stall_timeout_s),
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -403,8 +405,12 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
     executor = ctx.getTaskInfos()[partition].address
     names.sweep_orphans()
     task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "p%d" % partition, os.getpid())))
+    def stop() -> None:  # the driver said stop: say what the OS sees of the ranks (a stall's forensics), then kill
+        rank_states.report(client, partition)
+        procs.kill_all()
+
     client = ChannelClient(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), on_lost=lambda: abort_task(task),
-                           on_stop=procs.kill_all, on_preempting=lambda: preemption.announce(task.path))
+                           on_stop=stop, on_preempting=lambda: preemption.announce(task.path))
     if spec.channel is not None and not client.connected:
         shutil.rmtree(task.path, ignore_errors=True)
         raise TaskFailure(unreachable_driver(spec.channel, partition, executor, client.connect_error))

@@ -1,4 +1,5 @@
-"""DAG of the Horovod view's tests: one try that trains and one that fails, both with a timeline.
+"""DAG of the Horovod view's tests: one try that trains and one that fails, both with a timeline,
+and one that stalls (rank 1 asleep in its own code; ``stall_timeout=4``).
 
 ``np=-2`` runs the two ranks as processes of the task itself (real Horovod, Gloo, no Spark job), so
 the view has real artifacts to show within seconds.
@@ -55,8 +56,25 @@ def hvd_view():
             raise FloatingPointError(FAILURE)
         steps(100)
 
+    @task.horovod(np=-2, launcher="gloo", stall_timeout=4)
+    def stalls():
+        import time
+
+        import horovod.torch as hvd
+
+        hvd.init()
+        steps(3)
+        if hvd.rank() == FAILING_RANK:
+            waits_for_a_lock_never_released(time)
+        steps(100)
+
     trained()
     fails()
+    stalls()
+
+
+def waits_for_a_lock_never_released(time) -> None:
+    time.sleep(3600)  # the user's frame the view shows for the stalled rank
 
 
 hvd_view()

@@ -58,7 +58,7 @@ def view_run(airflow_deployment: Deployment) -> ViewRun:
     run_id = api.trigger(DAG)
     api.wait_run(DAG, run_id, timeout=300)
     states = {ti["task_id"]: ti["state"] for ti in api.task_instances(DAG, run_id)}
-    assert states == {"trained": "success", "fails": "failed"}, states
+    assert states == {"trained": "success", "fails": "failed", "stalls": "failed"}, states
     run = ViewRun(airflow_deployment, run_id)
     yield run
     run.http.close()
@@ -253,3 +253,18 @@ def test_in_the_browser_the_horovod_timeline_link_opens_the_view(browser, view_r
     finally:
         browser.switch_to.default_content()
     assert save_screenshot(browser, tmp_path, "horovod-view-%s.png" % task_id).stat().st_size > 20_000
+
+
+def test_in_the_browser_a_stalled_try_shows_who_stalled_and_every_ranks_stacks(browser, view_run, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(view_run.deployment.base_url + view_run.url("stalls"))  # the view's own page, as the tab frames it
+    WebDriverWait(browser, BROWSER_WAIT_S).until(lambda d: d.find_elements(By.ID, "failure-traceback"))
+    assert browser.find_element(By.ID, "status").text == "failed"
+    message = browser.find_element(By.ID, "failure-message").text
+    assert message.startswith("stalled: rank 1 ") and "in user code at waits_for_a_lock_never_released" in message
+    stacks = browser.find_element(By.ID, "failure-traceback").text
+    assert stacks.startswith("Python stacks at the stall") and "in waits_for_a_lock_never_released" in stacks
+    assert "rank 0 (pid" in stacks and "waits in allreduce" in stacks
+    assert save_screenshot(browser, tmp_path, "horovod-view-stalls.png").stat().st_size > 20_000

@@ -48,3 +48,22 @@ def test_a_try_with_a_restart_shows_a_row_per_attempt_and_a_try_without_shows_no
     assert "killed by SIGKILL" in table and "version 4 (step 120)" in table and "6.2 s" in table
     assert 'id="attempts"' not in _page()
 
+
+
+def test_a_stalled_try_shows_who_stalled_and_every_ranks_stacks_in_its_failure_panel():
+    from airflow_provider_horovod.runner.driver.stalls import StallWatch
+    from airflow_provider_horovod.runner.events import RankBeat
+
+    watch = StallWatch(4.0, silence_s=2.5)
+    watch.start(0.0, ranks=2)
+    watch.beat(RankBeat(0, 100, "hvdhost0", 0.0, "waits in allreduce (called at train (job.py:9))",
+                        stacks='    > File "job.py", line 9, in train'), 4.5)
+    watch.beat(RankBeat(1, 101, "hvdhost1", 0.0, "in user code at sleepy (job.py:52)",
+                        stacks='    > File "job.py", line 52, in sleepy\n          time.sleep(3600)'), 4.5)
+    error = watch.verdict(5.0).to_json()
+    page = _page(status="failed", error=error)
+    assert "Failure of rank 1 on hvdhost1" in page
+    assert "stalled: rank 1 in user code at sleepy (job.py:52); rank 0 waits in allreduce" in page
+    stacks = re.search(r'<pre id="failure-traceback">(.*?)</pre>', page, re.S).group(1)
+    assert stacks.startswith("Python stacks at the stall") and "line 52, in sleepy" in stacks
+    assert stacks.index("rank 1 (pid 101") < stacks.index("rank 0 (pid 100")  # the stalled rank first

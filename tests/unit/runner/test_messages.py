@@ -39,6 +39,8 @@ CHANNEL_MESSAGES = [
     messages.Release(),
     messages.Preempting(),
     messages.Report(time=12.5, step=3, total_steps=10, metrics={"loss": 0.5}, rank=0),
+    messages.Beat(pid=4242, host="hvdhost1", idle_s=2.5, where="in user code at train (job.py:12)", stacks="  Thread", rank=1),
+    messages.RankStates(partition=1, states={"1": {"pid": 4242, "status": "stopped"}}),
 ]
 TRANSFER_MESSAGES = [
     messages.Offer({"root": "/tmp/p0/artifacts", "proof": "/tmp/p0/offer-ab", "token": "0" * 64}),

@@ -41,6 +41,16 @@ def test_kill_tree_takes_down_the_childs_own_children_and_remembers_it_did():
     assert procs.killed_by_us(proc.pid)
 
 
+def test_a_stopped_process_is_killed_at_once_not_waited_for():
+    proc = procs.spawn(SLEEPER, {}, stdin=subprocess.DEVNULL)
+    grandchild = _children_of(proc.pid, 1)[0]
+    os.kill(grandchild.pid, signal.SIGSTOP)  # a SIGSTOPped rank: SIGTERM stays pending for ever
+    began = time.monotonic()
+    procs.kill_tree(proc, grace_s=5.0)
+    assert not procs.alive(grandchild.pid) and proc.poll() is not None
+    assert time.monotonic() - began < 4.0  # the grace is not spent waiting for it
+
+
 def test_the_reaper_ends_its_command_when_the_watched_process_dies():
     watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     reaper = procs.spawn(procs.reaped(SLEEPER, watched.pid), {}, stdin=subprocess.DEVNULL)

@@ -15,8 +15,9 @@ SHUT_DOWN = [CAPTURED[0].replace(": W ", ": E "), "Missing ranks:", "0: [allredu
              'One or more rank (marked by "!") is stalled for longer than 60 seconds. Will shutdown.']
 
 
-def test_the_stall_timeout_sets_horovods_shutdown_and_a_check_four_times_per_timeout():
-    assert stall_env(600) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "60", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "600"}
+def test_the_stall_timeout_sets_horovods_check_four_times_per_timeout_and_its_shutdown_after_the_drivers_rule():
+    assert stall_env(600) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "60", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "660"}
+    assert stall_env(4)["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "9"  # the driver's verdict and the kill come first
     assert stall_env(20)["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "5"
     assert stall_env(2)["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "1"  # never 0: Horovod would check nonstop
     assert whole_seconds(4.2) == 5 and whole_seconds(0.1) == 1
@@ -49,7 +50,7 @@ def test_every_process_of_a_host_gets_the_stall_check_and_the_users_env_wins(tmp
 
     for launcher in ("mpirun", "gloo"):
         env = base_env(dataclasses.replace(spec(launcher), stall_timeout_s=8), TaskDir(tmp_path))
-        assert (env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"], env["HOROVOD_STALL_CHECK_TIME_SECONDS"]) == ("8", "2")
+        assert (env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"], env["HOROVOD_STALL_CHECK_TIME_SECONDS"]) == ("13", "2")
     own = dataclasses.replace(spec(), env={"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"})
     assert base_env(own, TaskDir(tmp_path))["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "0"
 

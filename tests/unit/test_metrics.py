@@ -28,7 +28,9 @@ class _Clock:
 
 def test_recorder_keeps_every_report_logs_at_most_once_per_interval_and_commits_every_few_seconds(tmp_path, caplog):
     clock, commits = _Clock(), []
-    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=lambda p: commits.append(len(p.read_text().splitlines())),
+    sent = []  # each commit sends the rows since the one before: appended, they are the whole file
+    recorder = MetricsRecorder(tmp_path / "metrics.jsonl",
+                               commit=lambda data, base: (sent.append(data), commits.append(len(b"".join(sent).splitlines()))),
                                log=logging.getLogger("test.metrics"), progress_interval=10.0, clock=clock)
     with caplog.at_level(logging.INFO, logger="test.metrics"):
         for step in range(1, 41):  # 40 reports half a second apart: 20 s
@@ -42,10 +44,12 @@ def test_recorder_keeps_every_report_logs_at_most_once_per_interval_and_commits_
     assert [p.split(",")[0] for p in progress] == ["Horovod progress: step 1/100 (1%)", "Horovod progress: step 21/100 (21%)",
                                                    "Horovod progress: step 40/100 (40%)"]  # at 0.5 s, 10.5 s, the end
     assert commits[0] == 1 and commits[-1] == 40 and len(commits) == int(20 / COMMIT_INTERVAL_S) + 1
+    assert b"".join(sent) == (tmp_path / "metrics.jsonl").read_bytes()  # never a row twice, none left out
     assert final == {"loss": 0.025, "step": 40, "total_steps": 100}
 
 
 def test_recorder_without_reports_has_no_metrics_and_commits_nothing(tmp_path):
     commits = []
-    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=commits.append, log=logging.getLogger("t"))
+    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=lambda data, base: commits.append(data),
+                               log=logging.getLogger("t"))
     assert recorder.close() == {} and commits == []

@@ -206,7 +206,7 @@ class VersionUploads:
         self.stored: list[int] = []
         self._cond = threading.Condition()
         self._waiting: tuple[Version, Path] | None = None
-        self._busy = False
+        self._busy: Version | None = None  # the version uploading now
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="hvd-store-uploads", daemon=True)
         self._thread.start()
@@ -231,7 +231,7 @@ class VersionUploads:
         """Wait (at most ``timeout`` s) for the upload running and the version waiting; what did not make it."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while (self._busy or self._waiting is not None) and time.monotonic() < deadline:
+            while (self._busy is not None or self._waiting is not None) and time.monotonic() < deadline:
                 self._cond.wait(min(1.0, max(0.0, deadline - time.monotonic())))
             self._closed = True
             left, self._waiting = self._waiting, None
@@ -239,9 +239,8 @@ class VersionUploads:
             self._cond.notify_all()
         if left is not None:
             self._skip(left[0], "still waiting for its upload when the try ended (%.0f s)" % timeout)
-        if running:
-            self.not_stored.append({"seq": None, "step": None,
-                                    "reason": "an upload was still running when the try ended (%.0f s)" % timeout})
+        if running is not None:
+            self._skip(running, "its upload was still running when the try ended (%.0f s)" % timeout)
         return list(self.not_stored)
 
     def _skip(self, version: Version, reason: str) -> None:
@@ -254,7 +253,8 @@ class VersionUploads:
                     self._cond.wait()
                 if self._waiting is None:
                     return
-                (version, staged), self._waiting, self._busy = self._waiting, None, True
+                (version, staged), self._waiting = self._waiting, None
+                self._busy = version
             try:
                 path = commit_version(self.folder, staged, version, keep=self.keep)
                 self.stored.append(version.seq)
@@ -267,7 +267,7 @@ class VersionUploads:
             finally:
                 shutil.rmtree(staged, ignore_errors=True)
                 with self._cond:
-                    self._busy = False
+                    self._busy = None
                     self._cond.notify_all()
 
 

@@ -44,7 +44,7 @@ TARGET_RATIO = 0.98
 TARGET_LATENCY_S = 2.0
 
 
-def train(seconds=20.0, every=4.0, mib=100, batch_size=32):
+def train(seconds=20.0, every=4.0, mib=100, batch_size=32, report=False):
     """Train for ``seconds``; rank 0 writes a checkpoint every ``every`` s. Returns images/s per rank
     and, on rank 0, the rename time of each checkpoint by its step."""
     import os
@@ -75,6 +75,8 @@ def train(seconds=20.0, every=4.0, mib=100, batch_size=32):
         F.cross_entropy(model(images[lo:lo + batch_size]), labels[lo:lo + batch_size]).backward()
         optimizer.step()
         steps += 1
+        if report and hvd.rank() == 0:
+            runtime.report(step=steps, loss=1.0 / steps)
         if hvd.rank() == 0 and time.monotonic() >= next_checkpoint:
             next_checkpoint += every
             renamed[steps] = write_checkpoint(runtime.checkpoint_dir() / "model.bin", block, mib)
@@ -189,6 +191,42 @@ def requests_per_metrics_commit(root: str) -> float:
     return len(sent) / commits
 
 
+def store_training(args, root: str, work: Path) -> float:
+    """Median images/s per rank of a training that reports every step and commits a ``--mib`` MiB
+    version every ``--every`` s to ``root`` in the background (the operator's own pieces), over the
+    same training with no artifact_dir and nothing stored; alternating, ``--rounds`` rounds."""
+    import logging
+
+    from airflow_provider_horovod import HorovodRunner, store
+    from airflow_provider_horovod.metrics import MetricsRecorder
+
+    spark = warm_local_session("hvdrunner-store-commit")
+    kwargs = {"seconds": args.seconds, "every": args.every, "mib": args.mib, "report": True}
+    HorovodRunner(2, spark=spark, launcher=args.launcher, driver_log_verbosity="log_callback_only").run(
+        train, seconds=2.0, every=100.0, mib=1)  # warm-up, untimed
+    rates: dict[str, list[float]] = {"durable": [], "local": []}
+    for r in range(args.rounds):
+        for name in (("durable", "local") if r % 2 == 0 else ("local", "durable")):
+            if name == "local":
+                runner = HorovodRunner(2, spark=spark, launcher=args.launcher, driver_log_verbosity="log_callback_only")
+                rates[name].append(statistics.mean(runner.run(train, **kwargs)["rates"]))
+                continue
+            folder = store.prepare_try(root, dag_id="bench", run_id="train-%d" % r, task_id="t", try_number=1)
+            uploads = store.VersionUploads(folder, work / ("uploads-%d" % r), keep=2)
+            recorder = MetricsRecorder(work / ("metrics-%d.jsonl" % r), commit=store.MetricsLog(folder).append,
+                                       log=logging.getLogger("bench"), progress_interval=30.0)
+            runner = HorovodRunner(2, spark=spark, launcher=args.launcher, driver_log_verbosity="log_callback_only",
+                                   artifact_dir=work / ("round-%d" % r), on_checkpoint=uploads, on_report=recorder)
+            rates[name].append(statistics.mean(runner.run(train, **kwargs)["rates"]))
+            recorder.close()
+            not_stored = uploads.close(120)
+            print("  versions stored %s, not stored %s" % (uploads.stored, [n["seq"] for n in not_stored]), flush=True)
+        print("round %d: durable to s3 %.0f img/s per rank, local %.0f" % (r + 1, rates["durable"][-1],
+                                                                         rates["local"][-1]), flush=True)
+    spark.stop()
+    return statistics.median(rates["durable"]) / statistics.median(rates["local"])
+
+
 def store_bench(args) -> bool:
     import os
 
@@ -217,6 +255,7 @@ def store_bench(args) -> bool:
                     print("%4d MiB to %-4s %.2f s, RSS +%.0f MB" % (mib, name, took, grew), flush=True)
             (local / "model.bin").unlink()
         per_commit = requests_per_metrics_commit(roots["s3"])
+        ratio = store_training(args, roots["s3"], Path(tmp)) if args.seconds > 0 else None
         print_load("at the end")
 
     def med(name: str, mib: int) -> float:
@@ -232,6 +271,9 @@ def store_bench(args) -> bool:
         ("driver RSS growth during a commit, max", "%.0f MB" % rss, "<= %.0f MB" % TARGET_RSS_MB, rss <= TARGET_RSS_MB),
         ("requests per metrics commit", "%.2f" % per_commit, "<= %d" % TARGET_REQUESTS, per_commit <= TARGET_REQUESTS),
     ]
+    if ratio is not None:
+        checks.append(("training to s3:// / without durability", "%.3f" % ratio, ">= %.2f" % TARGET_RATIO,
+                       ratio >= TARGET_RATIO))
     print()
     for what, value, target, passed in checks:
         print("%-40s %-28s (target %s: %s)" % (what, value, target, "PASS" if passed else "MISS"))

@@ -53,3 +53,22 @@ def test_recorder_without_reports_has_no_metrics_and_commits_nothing(tmp_path):
     recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=lambda data, base: commits.append(data),
                                log=logging.getLogger("t"))
     assert recorder.close() == {} and commits == []
+
+
+def test_a_history_thinned_at_max_bytes_is_committed_as_one_base_and_the_store_stays_bounded(tmp_path, monkeypatch):
+    from airflow_provider_horovod import metrics, store
+
+    monkeypatch.setattr(metrics, "MAX_BYTES", 2000)  # ~25 rows
+    monkeypatch.setattr(metrics, "COMMIT_INTERVAL_S", 0.0)  # a commit after every report
+    folder = store.storage_path(tmp_path / "try-1")
+    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=store.MetricsLog(folder).append,
+                               log=logging.getLogger("t"))
+    for step in range(200):
+        recorder(Report.make(float(step), step, 200, {"loss": 1.0}))
+    recorder.close()
+    steps = [r["step"] for r in store.read_metrics(folder, max_rows=1000)]
+    assert steps[0] == 0 and steps[-1] == 199 and steps == sorted(steps)
+    assert steps == [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    names = sorted(p.name for p in (tmp_path / "try-1" / "metrics").iterdir())
+    assert sum(n.endswith(".base.jsonl") for n in names) == 1  # the objects before the newest base are gone
+    assert sum(p.stat().st_size for p in (tmp_path / "try-1" / "metrics").iterdir()) <= 2 * 2000

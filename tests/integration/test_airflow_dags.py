@@ -82,7 +82,9 @@ def test_digits_example_trains_evaluates_and_publishes_the_model(airflow):
     # runtime.report every step: the newest values, metrics.jsonl (coalesced, in step order) and the progress line
     metrics = airflow.xcom("horovod_digits_train", "train", "horovod_metrics")
     assert metrics["step"] == metrics["total_steps"] == 8 * 22 and 0 < metrics["loss"] < 1 and 0.5 < metrics["acc"] <= 1
-    kept = [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines()]
+    from airflow_provider_horovod.store import read_metrics, storage_path
+
+    kept = read_metrics(storage_path(trained["artifacts_uri"]), max_rows=10**6)  # metrics/<n>.jsonl, in order
     assert kept[-1]["step"] == metrics["step"] and kept[-1]["values"] == {"loss": metrics["loss"], "acc": metrics["acc"]}
     assert [row["step"] for row in kept] == sorted({row["step"] for row in kept}) and len(kept) < metrics["step"]
     assert "Horovod progress: step %d/%d (100%%), loss" % (metrics["step"], metrics["step"]) in proc.stdout + proc.stderr

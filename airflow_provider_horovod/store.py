@@ -526,6 +526,19 @@ def checkpoint_at(uri: str, *, roots: list[str]) -> Any:
     return path
 
 
+def named_files(path: Any) -> tuple[str, ...] | None:
+    """What a marker names in the checkpoint folder ``path`` (``checkpoint_at``'s): a version's files,
+    or a complete try's ``checkpoints/``; ``None`` for a folder no marker of this store describes."""
+    version = records.load(path / VERSION_MARKER, Version)
+    if version is not None:
+        return version_files(version)
+    if path.name == CHECKPOINTS and _try_number(path.parent) is not None:
+        found = newest_checkpoint(path.parent)
+        if found is not None and found.seq is None:
+            return found.files
+    return None
+
+
 def is_inside(path: Any, root: Any) -> bool:
     """Whether ``path`` is ``root`` or below it, in the same store through the same connection; on
     local disk after resolving links, elsewhere with no ``..`` in the path."""

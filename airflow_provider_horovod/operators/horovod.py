@@ -281,7 +281,8 @@ class HorovodRunnerOperator(BaseOperator):
                 return None, None
         else:
             roots = self.hook.resume_roots(self.artifact_root)
-            source = store.Checkpoint(store.checkpoint_at(str(self.resume), roots=roots), None)
+            path = store.checkpoint_at(str(self.resume), roots=roots)
+            source = store.Checkpoint(path, None, files=store.named_files(path))
         self.log.info("Resuming from checkpoint %s", source.describe())
         return source, self.hook.download(source.path, files=source.files)
 

@@ -75,7 +75,8 @@ def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_chec
         shutil.rmtree(local_copy)
     with pytest.raises(ArtifactError, match="never committed"):
         store.checkpoint_at(str(try2 / "checkpoints"), roots=[str(root)])
-    assert str(store.checkpoint_at(str(try1), roots=[str(root)])) == str(try1 / "checkpoints")
+    named = store.checkpoint_at(str(try1), roots=[str(root)])
+    assert str(named) == str(try1 / "checkpoints") and store.named_files(named) == ("epoch-1.pt",)  # not stray.pt
 
 
 def test_a_marker_without_complete_true_offers_no_final_checkpoint(artifact_root):
@@ -97,6 +98,7 @@ def test_a_killed_try_offers_its_newest_committed_version_and_prunes_to_keep(tmp
     assert (found.path / "step.txt").read_text() == "3"
     assert "try 1, version 3, step 30" in found.describe()
     assert str(store.checkpoint_at(str(try1), roots=[artifact_root])) == str(found.path)
+    assert store.named_files(found.path) == found.files == ("model.pt", "step.txt")
 
 
 def test_a_version_without_its_marker_is_never_offered(tmp_path, artifact_root):

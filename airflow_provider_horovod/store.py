@@ -211,6 +211,12 @@ class VersionUploads:
         self._thread = threading.Thread(target=self._loop, name="hvd-store-uploads", daemon=True)
         self._thread.start()
 
+    @property
+    def uploading(self) -> int | None:
+        """The seq of the version uploading now (``None``: none)."""
+        with self._cond:
+            return self._busy.seq if self._busy is not None else None
+
     def __call__(self, version: Version, local: Path) -> None:  # the engine's on_checkpoint
         self.offer(version, local)
 

@@ -95,13 +95,17 @@ def test_a_slow_store_coalesces_to_the_newest_version_and_the_try_end_says_what_
     (big / "model.pt").write_bytes(bytes(64 << 20))  # the first upload takes a while: the next ones wait
     later = [local_version(tmp_path, seq, seq) for seq in range(2, 6)]
     uploads(Version(seq=1, step=1, time=1.0, size=64 << 20, files=(("model.pt", 64 << 20),)), big)
+    deadline = time.monotonic() + 10
+    while uploads.uploading != 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
     for folder_, version in later:  # offered while the first one uploads: each returns at once
         uploads(version, folder_)
     not_stored = uploads.close(60)
     kept = [v.seq for v, _ in store.versions(folder)]
     assert kept[-1] == 5 and 1 in kept  # the newest, and the one that was uploading
-    assert not_stored and sorted(n["seq"] for n in not_stored) == sorted(set(range(2, 5)) - set(kept))  # the rest
-    # coalesced (never queued) ...
+    assert sorted(n["seq"] for n in not_stored) == sorted(set(range(2, 5)) - set(kept))  # the rest coalesced ...
+    if artifact_root.startswith("s3://"):  # 64 MiB to S3 takes far longer than four offers: never queued
+        assert [n["seq"] for n in not_stored] == [2, 3, 4]
     assert all("coalesced" in n["reason"] for n in not_stored)  # ... and said so
     assert not any((tmp_path / "uploads").iterdir())  # the staged copies are gone
 

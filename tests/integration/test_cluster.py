@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,6 +156,48 @@ def test_a_host_gone_for_good_with_min_np_below_np_finishes_on_the_ranks_left(ho
     assert (lost["np"], lost["ending"], restarted["np"], restarted["ending"]) == (2, "lost", 1, "success")
     assert restarted["resumed_from"]["step"] >= host_loss_run["kills"][0]["newest_step"] >= 3
     assert host_loss_run["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 1}
+
+
+LATE_S = 30  # the second worker starts this long after run() is called
+
+
+@pytest.fixture(scope="module")
+def late_executor_run(tmp_path_factory):
+    """A cluster of its own whose second worker (and so its executor) starts 30 s into an np=2 run
+    with start_timeout=60."""
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster-late")).start(workers=1)
+    out = tmp_path_factory.mktemp("late-out")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.scenarios.late_executor", cluster.master,
+                             json.dumps(cluster.app_conf()), str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "started").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (out / "started").exists(), proc.communicate(timeout=30)[0][-5000:]
+        time.sleep(max(0.0, float((out / "started").read_text()) + LATE_S - time.time()))
+        cluster.start_worker(1)
+        output = proc.communicate(timeout=180)[0]
+        assert proc.returncode == 0, output[-5000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cluster.stop()
+    return json.loads((out / "run.json").read_text())
+
+
+def test_an_executor_that_registers_30_s_late_within_start_timeout_joins_the_run_and_the_log_says_what_was_waited_for(
+        late_executor_run):
+    assert "error" not in late_executor_run, late_executor_run["error"]
+    ranks = late_executor_run["result"]["ranks"]
+    assert [r["cross_size"] for r in ranks] == [2, 2]  # the late executor is a host of its own
+    assert LATE_S < late_executor_run["run_s"] < 60
+    log = late_executor_run["log"]
+    assert any(re.match(r"Waiting up to start_timeout=60s for 2 barrier slots: the cluster has [01] now", line)
+               for line in log), log
+    waited = [line for line in log if line.startswith("The cluster has 2 barrier slots after waiting")]
+    assert waited and float(waited[0].split("waiting ")[1].split(" s")[0]) > LATE_S, log
 
 
 @pytest.fixture(scope="module")

@@ -174,4 +174,4 @@ class MetricsRecorder:
             self._committed_size = len(data) + (0 if self._rewritten else self._committed_size)
             self._rewritten = False
         except Exception as err:  # noqa: BLE001 - the next commit tries again; training goes on
-            self._log.warning("Could not commit metrics.jsonl to the artifact store: %s", err)
+            self._log.warning("Could not commit the try's metrics to the artifact store (the next commit sends them again): %s", err)

@@ -250,3 +250,55 @@ def test_a_store_that_is_down_when_the_try_starts_fails_it_before_anything_runs(
     with pytest.raises(ArtifactError, match=r"Cannot write Horovod artifacts under \S*%s \(\w*%s.*artifact_root" % (
             re.escape(root.split("://")[-1]), cause)):
         prepare(root, 1)
+
+
+WRITER = """
+import os, sys, time
+from pathlib import Path
+from airflow_provider_horovod import store
+from airflow_provider_horovod.runner.versions import Version
+root, local = sys.argv[1], Path(sys.argv[2])
+folder = store.prepare_try(root, dag_id="d", run_id="r", task_id="t", try_number=1)
+for seq in range(1, 100):
+    (local / "step.txt").write_text(str(seq))
+    with open(local / "model.pt", "wb") as f:
+        f.write(os.urandom(1 << 20) * 32)
+    files = (("model.pt", 32 << 20), ("step.txt", len(str(seq))))
+    print("uploading", seq, flush=True)
+    store.commit_version(folder, local, Version(seq=seq, step=seq, time=time.time(), size=sum(s for _, s in files),
+                                                files=files), keep=2)
+"""
+
+
+def test_a_writer_sigkilled_mid_upload_leaves_its_newest_committed_version_whole(tmp_path, artifact_root):
+    """The store's half of the SIGKILL test: the process committing versions dies mid-upload (no
+    cleanup runs); what a reader finds is the newest version whose marker is there, every object it
+    names whole, and a retry resumes from it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    local = tmp_path / "local"
+    local.mkdir()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, artifact_root, str(local)], stdout=subprocess.PIPE,
+                              text=True, cwd=str(Path(__file__).resolve().parents[2]))
+    try:
+        for line in writer.stdout:
+            if line.strip() == "uploading 3":
+                time.sleep(0.05)  # inside version 3's upload (32 MiB): its marker is not there yet
+                break
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(10)
+    try1 = store.try_folder(store.task_folder(artifact_root, "d", "r", "t"), 1)
+    committed = store.versions(try1)
+    assert [v.seq for v, _ in committed][-1] in (2, 3) and len(committed) >= 1
+    if artifact_root.startswith("s3://"):  # 32 MiB to this server takes far longer than 50 ms: killed mid-upload
+        assert committed[-1][0].seq == 2
+    for version, path in committed:  # every committed version is whole
+        assert (path / "step.txt").read_text() == str(version.seq)
+        model = path / "model.pt"
+        assert model.fs.size(model.path) == 32 << 20
+    found = store.latest_checkpoint(prepare(artifact_root, 2), 2)
+    assert (found.try_number, found.seq) == (1, committed[-1][0].seq)

@@ -276,6 +276,16 @@ def store_bench(args) -> bool:
                         took, grew = commit_once(roots[name], local, version, 1000 * mib + 10 * r + len(name))
                     got.setdefault((name, mib), []).append((took, grew))
                     print("%4d MiB to %-5s %.2f s, RSS +%.0f MB" % (mib, name, took, grew), flush=True)
+            if mib == 1024:  # what other part sizes and concurrency would give here (one commit each)
+                from airflow_provider_horovod import store
+
+                chosen = store.PART_BYTES, store.PARTS
+                for part_mib, parts in ((8, 8), (16, 8), (4, 16)):
+                    store.PART_BYTES, store.PARTS = part_mib << 20, parts
+                    took, grew = commit_once(roots["s3"], local, version, 900000 + 100 * part_mib + parts)
+                    print("1024 MiB to s3 with %d MiB parts x %d: %.2f s, RSS +%.0f MB" % (part_mib, parts, took, grew),
+                          flush=True)
+                store.PART_BYTES, store.PARTS = chosen
             (local / "model.bin").unlink()
         per_commit = requests_per_metrics_commit(roots["s3"])
         ratio = store_training(args, roots["s3"], Path(tmp), server) if args.seconds > 0 else None

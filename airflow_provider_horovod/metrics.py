@@ -1,5 +1,6 @@
 """What the driver does with rank 0's reports (``runtime.report``): the try's ``metrics.jsonl``,
-committed to the store every few seconds, a progress line in the task log at most every
+committed to the store every few seconds (the rows since the last commit, one new object each
+time; the whole file only after it was thinned), a progress line in the task log at most every
 ``progress_interval`` seconds, and whatever else listens (MLflow). Memory stays flat: the file is
 on disk, and only the first and the newest report are held; the file stays within ``MAX_BYTES``."""
 
@@ -78,11 +79,12 @@ def final_values(newest: Report | None) -> dict[str, Any]:
 
 class MetricsRecorder:
     """Takes rank 0's reports (the engine's ``on_report``): appends each to a local
-    ``metrics.jsonl``, commits it with ``commit(path)`` every ``COMMIT_INTERVAL_S``, logs a
+    ``metrics.jsonl``, commits what is new with ``commit(data, base=False)`` every
+    ``COMMIT_INTERVAL_S`` (``base=True``: the whole file, after it was thinned), logs a
     progress line at most every ``progress_interval`` seconds and passes each report to ``listeners``
     (each handles its own errors)."""
 
-    def __init__(self, local: Path, *, commit: Callable[[Path], None], log: logging.Logger,
+    def __init__(self, local: Path, *, commit: Callable[..., None], log: logging.Logger,
                  progress_interval: float = DEFAULT_PROGRESS_INTERVAL_S,
                  listeners: tuple[Callable[[Report], None], ...] = (), clock: Callable[[], float] = time.monotonic):
         self.local = local
@@ -97,6 +99,7 @@ class MetricsRecorder:
         self._logged: Report | None = None
         self._last_line = self._last_commit = float("-inf")
         self._committed_size = 0
+        self._rewritten = False  # thinned since the last commit: the next one is a base
         self._size = 0  # of the local file
         self._stride, self._seen = 1, 0  # every stride-th report is kept: 1 until the file reaches MAX_BYTES
         self._written: Report | None = None
@@ -134,6 +137,7 @@ class MetricsRecorder:
         tmp.write_bytes(b"".join(kept))
         tmp.replace(self.local)
         self._size, self._stride = sum(len(line) for line in kept), self._stride * 2
+        self._rewritten = True
         self._log.info("metrics.jsonl reached %d bytes: every other row kept, from now on one report in %d",
                        MAX_BYTES, self._stride)
 
@@ -145,7 +149,7 @@ class MetricsRecorder:
                 self._write(self.newest)
             if self.newest is not None and self._logged is not self.newest:
                 self._progress()
-            if self.local.exists() and self.local.stat().st_size != self._committed_size:
+            if self.local.exists() and (self._rewritten or self.local.stat().st_size != self._committed_size):
                 self._store()
             return final_values(self.newest)
 
@@ -157,9 +161,17 @@ class MetricsRecorder:
             self._log.warning("No progress line for step %s: %s", self.newest.step, err)
 
     def _store(self) -> None:
+        """Commit the rows written since the last commit (all of them after a thinning); one that
+        fails is sent again with the next."""
         try:
-            size = self.local.stat().st_size
-            self._commit(self.local)
-            self._committed_size = size
+            with self.local.open("rb") as f:
+                if not self._rewritten:
+                    f.seek(self._committed_size)
+                data = f.read()
+            if not data and not self._rewritten:
+                return
+            self._commit(data, base=self._rewritten)
+            self._committed_size = len(data) + (0 if self._rewritten else self._committed_size)
+            self._rewritten = False
         except Exception as err:  # noqa: BLE001 - the next commit tries again; training goes on
-            self._log.warning("Could not commit metrics.jsonl to the artifact store: %s", err)
+            self._log.warning("Could not commit the try's metrics to the artifact store (the next commit sends them again): %s", err)

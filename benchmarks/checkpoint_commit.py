@@ -1,6 +1,18 @@
 """Durable checkpoints while training: throughput with and without them, and each version's commit latency.
 
     .venv/bin/python benchmarks/checkpoint_commit.py [--launcher mpirun|gloo] [--rounds 3] [--mib 100]
+    .venv/bin/python benchmarks/checkpoint_commit.py --store s3 [--rounds 3]    # the artifact store's tier
+
+``--store s3`` measures the store's tier instead (the operator's own code: ``store.VersionUploads``,
+``store.MetricsLog``), against a real S3 server started here (``moto_server`` on 127.0.0.1):
+
+* commit latency of a 100 MiB and a 1 GiB version to ``s3://`` and to ``file://``, alternating, with
+  this process's RSS growth during each (targets: 100 MiB to s3 <= 3 s; 1 GiB to s3 <= 2x file://;
+  RSS growth <= 100 MB);
+* requests per metrics commit (target <= 2);
+* a training that reports every step and commits a version every ``--every`` s, its versions and
+  metrics going to the store in the background (``durable``), against the same training with no
+  ``artifact_dir`` and no reports stored (``local``): ratio >= 0.98.
 
 Both contenders run the same function on a warm ``local[2]`` session, np=2: a small CNN on
 synthetic images (``torch.set_num_threads(1)``), ``hvd.DistributedOptimizer``, timed steps for
@@ -32,7 +44,7 @@ TARGET_RATIO = 0.98
 TARGET_LATENCY_S = 2.0
 
 
-def train(seconds=20.0, every=4.0, mib=100, batch_size=32):
+def train(seconds=20.0, every=4.0, mib=100, batch_size=32, report=False):
     """Train for ``seconds``; rank 0 writes a checkpoint every ``every`` s. Returns images/s per rank
     and, on rank 0, the rename time of each checkpoint by its step."""
     import os
@@ -63,6 +75,8 @@ def train(seconds=20.0, every=4.0, mib=100, batch_size=32):
         F.cross_entropy(model(images[lo:lo + batch_size]), labels[lo:lo + batch_size]).backward()
         optimizer.step()
         steps += 1
+        if report and hvd.rank() == 0:
+            runtime.report(step=steps, loss=1.0 / steps)
         if hvd.rank() == 0 and time.monotonic() >= next_checkpoint:
             next_checkpoint += every
             renamed[steps] = write_checkpoint(runtime.checkpoint_dir() / "model.bin", block, mib)
@@ -124,6 +138,191 @@ def report(rounds: list[dict]) -> bool:
     return ratio >= TARGET_RATIO and worst <= TARGET_LATENCY_S
 
 
+# -- the store's tier (--store) ------------------------------------------------------------------------
+TARGET_S3_100MIB_S = 3.0
+TARGET_S3_OVER_FILE = 2.0
+TARGET_RSS_MB = 100.0
+TARGET_REQUESTS = 2
+
+
+def rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 1e6
+
+
+def commit_once(root: str, local: Path, version, seq: int) -> tuple[float, float]:
+    """Seconds to commit one version (files, then the marker) into a fresh try folder, and the
+    RSS growth (MB, sampled every 10 ms) while it ran."""
+    import threading
+    import time
+
+    from airflow_provider_horovod import store
+
+    folder = store.prepare_try(root, dag_id="bench", run_id="r%d" % seq, task_id="t", try_number=1)
+    peak, base, done = [0.0], rss_mb(), threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mb() - base)
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.monotonic()
+    store.commit_version(folder, local, version, keep=1)
+    took = time.monotonic() - t0
+    done.set()
+    sampler.join()
+    return took, peak[0]
+
+
+def boto3_upload(server, bucket: str, local: Path, key: str) -> float:
+    """The anchor: the same file put by boto3's own transfer manager (s3transfer: 8 MiB parts, ten
+    threads), the best a client of this server gets; seconds."""
+    import time
+
+    client = server.client()
+    t0 = time.monotonic()
+    client.upload_file(str(local), bucket, key)
+    return time.monotonic() - t0
+
+
+def requests_per_metrics_commit(root: str) -> float:
+    from airflow_provider_horovod import store
+
+    folder = store.prepare_try(root, dag_id="bench", run_id="metrics", task_id="t", try_number=1)
+    log = store.MetricsLog(folder)
+    log.append(b'{"step": 0, "time": 0.0, "values": {}}\n')  # the client's first request is not a commit's
+    sent = []
+    folder.fs.s3.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.method))
+    commits = 20
+    for i in range(1, commits + 1):
+        log.append(b"".join(b'{"step": %d, "time": 0.0, "values": {"loss": 1.0}}\n' % (10 * i + j) for j in range(10)))
+    return len(sent) / commits
+
+
+def store_training(args, root: str, work: Path, server) -> float:
+    """Median images/s per rank of a training that reports every step and commits a ``--mib`` MiB
+    version every ``--every`` s to ``root`` in the background (the operator's own pieces), over the
+    same training with no artifact_dir and nothing stored; alternating, ``--rounds`` rounds."""
+    import logging
+
+    import psutil
+
+    from airflow_provider_horovod import HorovodRunner, store
+    from airflow_provider_horovod.metrics import MetricsRecorder
+
+    spark = warm_local_session("hvdrunner-store-commit")
+    kwargs = {"seconds": args.seconds, "every": args.every, "mib": args.mib, "report": True}
+    HorovodRunner(2, spark=spark, launcher=args.launcher, driver_log_verbosity="log_callback_only").run(
+        train, seconds=2.0, every=100.0, mib=1)  # warm-up, untimed
+    rates: dict[str, list[float]] = {"durable": [], "local": []}
+    for r in range(args.rounds):
+        for name in (("durable", "local") if r % 2 == 0 else ("local", "durable")):
+            if name == "local":
+                runner = HorovodRunner(2, spark=spark, launcher=args.launcher, driver_log_verbosity="log_callback_only")
+                rates[name].append(statistics.mean(runner.run(train, **kwargs)["rates"]))
+                continue
+            folder = store.prepare_try(root, dag_id="bench", run_id="train-%d" % r, task_id="t", try_number=1)
+            uploads = store.VersionUploads(folder, work / ("uploads-%d" % r), keep=2)
+            recorder = MetricsRecorder(work / ("metrics-%d.jsonl" % r), commit=store.MetricsLog(folder).append,
+                                       log=logging.getLogger("bench"), progress_interval=30.0)
+            runner = HorovodRunner(2, spark=spark, launcher=args.launcher, driver_log_verbosity="log_callback_only",
+                                   artifact_dir=work / ("round-%d" % r), on_checkpoint=uploads, on_report=recorder)
+            cpu = [p.cpu_times() for p in (psutil.Process(), psutil.Process(server.proc.pid))]
+            rates[name].append(statistics.mean(runner.run(train, **kwargs)["rates"]))
+            used = [sum(b[:2]) - sum(a[:2]) for a, b in zip(cpu, [p.cpu_times() for p in (
+                psutil.Process(), psutil.Process(server.proc.pid))])]
+            recorder.close()
+            not_stored = uploads.close(120)
+            print("  versions stored %s, not stored %s; CPU during the run: driver %.1f s, S3 server %.1f s" % (
+                uploads.stored, [n["seq"] for n in not_stored], used[0], used[1]), flush=True)
+        print("round %d: durable to s3 %.0f img/s per rank, local %.0f" % (r + 1, rates["durable"][-1],
+                                                                         rates["local"][-1]), flush=True)
+    spark.stop()
+    return statistics.median(rates["durable"]) / statistics.median(rates["local"])
+
+
+def store_bench(args) -> bool:
+    import os
+
+    from airflow_provider_horovod.runner.records import Version
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests import s3
+
+    ok = True
+    # The S3 server stands in for a remote store: at nice 19 it takes only the CPU the training leaves
+    # (a remote store takes none of this host's); its CPU time is printed beside each durable run.
+    with s3.serving(nice=19) as server, tempfile.TemporaryDirectory(prefix="hvd-store-bench-") as tmp:
+        bucket = server.new_bucket()
+        roots = {"s3": s3.uri(bucket, "bench"), "file": "file://%s/store" % tmp}
+        print_load("at the start")
+        got: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for mib in (() if args.training_only else (100, 1024)):
+            local = Path(tmp, "v%d" % mib)
+            local.mkdir()
+            with open(local / "model.bin", "wb") as f:
+                block = os.urandom(1 << 20)
+                for _ in range(mib):
+                    f.write(block)
+            version = Version(seq=1, step=None, time=0.0, size=mib << 20, files=(("model.bin", mib << 20),))
+            for r in range(args.rounds):
+                for name in (("s3", "file", "boto3") if r % 2 == 0 else ("boto3", "file", "s3")):
+                    if name == "boto3":
+                        took, grew = boto3_upload(server, bucket, local / "model.bin", "anchor-%d-%d" % (mib, r)), 0.0
+                    else:
+                        took, grew = commit_once(roots[name], local, version, 1000 * mib + 10 * r + len(name))
+                    got.setdefault((name, mib), []).append((took, grew))
+                    print("%4d MiB to %-5s %.2f s, RSS +%.0f MB" % (mib, name, took, grew), flush=True)
+            if mib == 1024:  # what other part sizes and concurrency would give here (one commit each)
+                from airflow_provider_horovod import store
+
+                chosen = store.PART_BYTES, store.PARTS
+                for part_mib, parts in ((8, 8), (16, 8)):  # S3 takes no part under 5 MiB
+                    store.PART_BYTES, store.PARTS = part_mib << 20, parts
+                    took, grew = commit_once(roots["s3"], local, version, 900000 + 100 * part_mib + parts)
+                    print("1024 MiB to s3 with %d MiB parts x %d: %.2f s, RSS +%.0f MB" % (part_mib, parts, took, grew),
+                          flush=True)
+                store.PART_BYTES, store.PARTS = chosen
+            (local / "model.bin").unlink()
+        per_commit = requests_per_metrics_commit(roots["s3"])
+        if args.training_only:
+            ratio = store_training(args, roots["s3"], Path(tmp), server)
+            print_load("at the end")
+            print("\nrequests per metrics commit %.2f (target <= %d); training to s3:// / without durability %.3f "
+                  "(target >= %.2f: %s)" % (per_commit, TARGET_REQUESTS, ratio, TARGET_RATIO,
+                                            "PASS" if ratio >= TARGET_RATIO else "MISS"))
+            return ratio >= TARGET_RATIO and per_commit <= TARGET_REQUESTS
+        ratio = store_training(args, roots["s3"], Path(tmp), server) if args.seconds > 0 else None
+        print_load("at the end")
+
+    def med(name: str, mib: int) -> float:
+        return statistics.median(t for t, _ in got[(name, mib)])
+
+    rss = max(g for runs in got.values() for _, g in runs)
+    checks = [
+        ("100 MiB version to s3://, median", "%.2f s" % med("s3", 100), "<= %.1f s" % TARGET_S3_100MIB_S,
+         med("s3", 100) <= TARGET_S3_100MIB_S),
+        ("1 GiB version: s3:// / file://", "%.2f s / %.2f s = %.2fx" % (med("s3", 1024), med("file", 1024),
+                                                                         med("s3", 1024) / med("file", 1024)),
+         "<= %.1fx" % TARGET_S3_OVER_FILE, med("s3", 1024) <= TARGET_S3_OVER_FILE * med("file", 1024)),
+        ("1 GiB version: s3:// / boto3's own upload", "%.2f s / %.2f s = %.2fx" % (
+            med("s3", 1024), med("boto3", 1024), med("s3", 1024) / med("boto3", 1024)), "(the server's bound)", True),
+        ("driver RSS growth during a commit, max", "%.0f MB" % rss, "<= %.0f MB" % TARGET_RSS_MB, rss <= TARGET_RSS_MB),
+        ("requests per metrics commit", "%.2f" % per_commit, "<= %d" % TARGET_REQUESTS, per_commit <= TARGET_REQUESTS),
+    ]
+    if ratio is not None:
+        checks.append(("training to s3:// / without durability", "%.3f" % ratio, ">= %.2f" % TARGET_RATIO,
+                       ratio >= TARGET_RATIO))
+    print()
+    for what, value, target, passed in checks:
+        print("%-40s %-28s (target %s: %s)" % (what, value, target, "PASS" if passed else "MISS"))
+        ok = ok and passed
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--launcher", choices=("mpirun", "gloo"), default="mpirun")
@@ -131,7 +330,11 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="training time per run")
     parser.add_argument("--every", type=float, default=4.0, help="seconds between checkpoints")
     parser.add_argument("--mib", type=int, default=100, help="checkpoint size")
+    parser.add_argument("--store", choices=("s3",), help="measure the artifact store's tier on s3:// (against file://)")
+    parser.add_argument("--training-only", action="store_true", help="with --store: the training part only")
     args = parser.parse_args()
+    if args.store:
+        return 0 if store_bench(args) else 1
     from airflow_provider_horovod import HorovodRunner
 
     spark = warm_local_session("hvdrunner-checkpoint-commit")

@@ -90,3 +90,23 @@ def no_leftover_processes():
     yield
     left = wait_no_run_processes(10.0)
     assert left == [], "processes left behind: %s" % left
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 server (``moto_server``) on 127.0.0.1 for the whole session, reached through the
+    Airflow connection ``tests.s3.CONN_ID`` (in the environment: ``airflow dags test`` sees it too)."""
+    from tests import s3
+
+    with s3.serving() as server:
+        yield server
+
+
+@pytest.fixture(params=["file", "s3"])
+def artifact_root(request, tmp_path):
+    """An empty artifact root, once on local disk (``file://``) and once in a fresh bucket (``s3://``)."""
+    if request.param == "file":
+        return "file://%s" % (tmp_path / "store")
+    from tests import s3
+
+    return s3.uri(request.getfixturevalue("s3_server").new_bucket(), "store")

@@ -359,17 +359,31 @@ class HorovodRunnerHook(BaseHook):
         value = conf.get("horovod", option, fallback="") or ""
         return [cls._absolute(root.strip()) for root in value.split(",") if root.strip()]
 
-    def download(self, source: ObjectStoragePath | str, prefix: str = "hvd-resume-") -> str:
+    def download(self, source: ObjectStoragePath | str, prefix: str = "hvd-resume-",
+                 files: tuple[str, ...] | None = None) -> str:
         """Copy a stored checkpoint folder (or file) to a new local temporary folder; return its path.
 
+        ``files``: the files its marker names (``store.Checkpoint.files``), the only ones copied;
+        without it, every file below ``source`` (a folder a user named).
         Every file lands inside that folder: a name that would leave it is an ``ArtifactError``,
         and links in a local store are not followed.
         """
         src = store.storage_path(source) if isinstance(source, str) else source
-        if not src.exists():
+        if files is None and not src.exists():
             raise ArtifactError("Cannot resume from %s: it does not exist." % src)
         local = Path(tempfile.mkdtemp(prefix=prefix))
         try:
+            if files is not None:
+                for name in files:
+                    try:
+                        rel = safe_relative(name)
+                        item = src / rel.as_posix()
+                        if _is_link(item):
+                            raise ValueError("a link, never followed")
+                        _download(item, local.joinpath(*rel.parts))
+                    except (TransferError, ValueError, OSError) as err:
+                        raise ArtifactError("Cannot resume from %s: %s (%s)" % (src, name, err)) from None
+                return str(local)
             if src.is_file():
                 _download(src, local / safe_relative(src.name).as_posix())
                 return str(local)
@@ -508,6 +522,9 @@ def _is_link(path: ObjectStoragePath) -> bool:
 
 def _download(src: ObjectStoragePath, local: Path) -> None:
     local.parent.mkdir(parents=True, exist_ok=True)
+    if not store.is_local(src):  # streamed in the store's own chunks, not read ahead whole
+        src.fs.get_file(src.path, str(local))
+        return
     with src.open("rb") as fsrc, local.open("wb") as dst:
         shutil.copyfileobj(fsrc, dst, 1 << 20)
 

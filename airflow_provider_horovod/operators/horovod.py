@@ -44,6 +44,8 @@ METADATA = ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "du
 # An executor lost mid-training costs a restart inside the try, at most twice (see max_restarts)
 DEFAULT_OPERATOR_RESTARTS = 2
 METADATA_XCOM_PREFIX = "horovod_"
+# How long the try's end waits for the last checkpoint upload before its final marker says it did not make it
+UPLOAD_DRAIN_S = 300.0
 SMALL_RESULT_CHARS = 4096  # a result up to this size (as JSON) goes into the asset event extra
 
 
@@ -230,13 +232,16 @@ class HorovodRunnerOperator(BaseOperator):
         with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local, tempfile.TemporaryDirectory() as scratch:
             tracking = self._mlflow_run(context, np)
             recorder = self._metrics_recorder(folder, scratch, tracking)
-            result, report, error = self._train(np, local, resume_from, self._version_sink(folder, context), recorder)
+            uploads = self._version_sink(folder, context, Path(scratch, "uploads"))
+            result, report, error = self._train(np, local, resume_from, uploads, recorder)
             metrics, status = recorder.close(), try_status(report, error)
+            not_stored = self._drain(uploads, folder)
             if tracking is not None:
                 tracking.finish(status.value, {"checkpoint": report.checkpoint_path, "timeline": report.timeline_path},
                                 report.attempts)
             failure = self._explain_failure(error, report)
-            xcom = self._store(folder, local, result, report, status, context["ti"].try_number, failure, source)
+            xcom = self._store(folder, local, result, report, status, context["ti"].try_number, failure, source,
+                               not_stored)
             xcom["metrics"] = metrics
         self._record_final_checkpoint(folder, context)
         self._push_metadata(context, xcom)
@@ -276,9 +281,10 @@ class HorovodRunnerOperator(BaseOperator):
                 return None, None
         else:
             roots = self.hook.resume_roots(self.artifact_root)
-            source = store.Checkpoint(store.checkpoint_at(str(self.resume), roots=roots), None)
+            path = store.checkpoint_at(str(self.resume), roots=roots)
+            source = store.Checkpoint(path, None, files=store.named_files(path))
         self.log.info("Resuming from checkpoint %s", source.describe())
-        return source, self.hook.download(source.path)
+        return source, self.hook.download(source.path, files=source.files)
 
     def _resume_since(self, context: Context) -> int:
         """The earliest try whose checkpoints this try may resume from: 1, or with
@@ -291,13 +297,13 @@ class HorovodRunnerOperator(BaseOperator):
             return first
         return 1
 
-    def _version_sink(self, folder: ObjectStoragePath, context: Context) -> Callable[[Any, Any], None]:
-        """What the engine calls with each checkpoint version it committed: into the store at
-        once, then recorded in ``task_state_store`` for the next try."""
+    def _version_sink(self, folder: ObjectStoragePath, context: Context, staging: Path) -> store.VersionUploads:
+        """What the engine calls with each checkpoint version it committed in its local staging
+        (``offer``: returns at once): uploaded to the store in the background, newest first when the
+        store is slow, then recorded in ``task_state_store`` for the next try."""
         state, try_number = _state_store(context), context["ti"].try_number
 
-        def commit(version: Any, local: Any) -> None:
-            path = store.commit_version(folder, local, version, keep=self.keep_checkpoints)
+        def stored(version: Any, path: Any) -> None:
             self.log.info("Committed checkpoint version %d (step %s, %d bytes) to %s", version.seq, version.step,
                           version.size, path)
             try:
@@ -305,7 +311,16 @@ class HorovodRunnerOperator(BaseOperator):
             except Exception as err:  # noqa: BLE001 - the store scan still finds it
                 self.log.warning("Could not record checkpoint version %d in task_state_store: %s", version.seq, err)
 
-        return commit
+        return store.VersionUploads(folder, staging, keep=self.keep_checkpoints, on_stored=stored,
+                                    on_error=self.log.error)
+
+    def _drain(self, uploads: store.VersionUploads, folder: ObjectStoragePath) -> list[dict[str, Any]]:
+        """The try ended: wait (bounded) for the last version's upload; what did not make it is logged
+        and goes into the try's marker."""
+        not_stored = uploads.close(UPLOAD_DRAIN_S)
+        for item in not_stored:
+            self.log.warning("Checkpoint version %s was not stored in %s: %s", item["seq"], folder, item["reason"])
+        return not_stored
 
     def _metrics_recorder(self, folder: ObjectStoragePath, scratch: str, tracking: Any) -> MetricsRecorder:
         """What the engine calls with rank 0's reports: ``metrics.jsonl`` (committed to the store
@@ -314,7 +329,8 @@ class HorovodRunnerOperator(BaseOperator):
 
         interval = self.progress_interval or check_progress_interval(
             conf.getfloat("horovod", "progress_interval", fallback=DEFAULT_PROGRESS_INTERVAL_S))
-        return MetricsRecorder(Path(scratch, store.METRICS), commit=lambda local: store.commit_metrics(folder, local),
+        metrics_log = store.MetricsLog(folder)
+        return MetricsRecorder(Path(scratch, store.METRICS), commit=metrics_log.append,
                                log=self.log, progress_interval=interval, listeners=(tracking,) if tracking else ())
 
     def _mlflow_run(self, context: Context, np: int) -> Any:
@@ -395,7 +411,8 @@ class HorovodRunnerOperator(BaseOperator):
         return record
 
     def _store(self, folder: ObjectStoragePath, local: str, result: Any, report: RunReport, status: store.TryStatus,
-               try_number: int, failure: dict[str, Any] | None, resumed_from: store.Checkpoint | None) -> dict[str, Any]:
+               try_number: int, failure: dict[str, Any] | None, resumed_from: store.Checkpoint | None,
+               not_stored: list[dict[str, Any]] = ()) -> dict[str, Any]:
         import cloudpickle
 
         xcom_result: Any = None
@@ -413,7 +430,7 @@ class HorovodRunnerOperator(BaseOperator):
             resumed_from=str(resumed_from.path) if resumed_from is not None else None,
             resumed_from_try=resumed_from.try_number if resumed_from is not None else None,
             resumed_from_step=resumed_from.step if resumed_from is not None else None,
-            error=failure, attempts=tuple(report.attempts),
+            error=failure, attempts=tuple(report.attempts), not_stored=tuple(not_stored),
         )
         committed = store.store_try(local, folder, marker, extra_files=extra_files)
         newest = store.newest_checkpoint(folder)

@@ -199,10 +199,28 @@ class Try:
         if not self.local:
             return store.read_metrics(self.folder, max_rows=max_rows)
         try:
-            with os.fdopen(self.local.open_file(store.METRICS), "rb") as f:
-                return store.parse_metrics(store.bounded_lines(f), max_rows=max_rows)
+            fd = self.local.open_dir(store.METRICS_DIR)
         except NotFound:
-            return []
+            chosen = []
+        else:
+            try:
+                chosen = records.metrics_objects(os.listdir(fd))
+            finally:
+                os.close(fd)
+        if chosen:
+            return store.parse_metrics(self._local_lines("%s/%s" % (store.METRICS_DIR, n) for n in chosen),
+                                       max_rows=max_rows)
+        return store.parse_metrics(self._local_lines([store.METRICS]), max_rows=max_rows)  # the old layout
+
+    def _local_lines(self, rels: Any) -> Any:
+        """The lines of these local files in turn, each opened by descriptor (a link or a missing one: skipped)."""
+        for rel in rels:
+            try:
+                f = os.fdopen(self.local.open_file(rel), "rb")
+            except NotFound:
+                continue
+            with f:
+                yield from store.bounded_lines(f)
 
     def timeline(self) -> hvd_timeline.Timeline | None:
         """The stored timeline, parsed as it streams from the file (never held whole in memory), or

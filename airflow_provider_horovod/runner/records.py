@@ -16,7 +16,9 @@ folder in the artifact store (an ``ObjectStoragePath``)::
     checkpoints/...                rank 0's checkpoint folder as the run ended
     timeline.json  timeline_summary.json  timeline.svg
     _RUN.json                      the engine's marker (``RunMarker``), written last by the engine
-    metrics.jsonl                  the store's: rank 0's kept reports (``MetricsRow``), one a line
+    metrics/<n>[.base].jsonl       the store's: rank 0's kept reports (``MetricsRow``), one a line,
+                                   appended as numbered objects; a reader starts at the newest base
+    metrics.jsonl                  the same, as one file, in try folders written before 2026-12-06
     result.pkl                     the store's: rank 0's return value when it is not JSON
     _ARTIFACTS.json                the store's marker (``TryMarker``), written last by the store
 """
@@ -45,6 +47,8 @@ TIMELINE = names.TIMELINE_FILE
 SUMMARY = "timeline_summary.json"
 PICTURE = "timeline.svg"
 METRICS = "metrics.jsonl"
+METRICS_DIR = "metrics"
+_METRICS_OBJECT = re.compile(r"^([0-9]{6,})(\.base)?\.jsonl$")
 RESULT = names.RESULT_FILE
 _VERSION_NAME = re.compile(r"^[0-9]{6,}$")
 
@@ -58,6 +62,20 @@ def version_name(seq: int) -> str:
     return "%06d" % seq
 
 
+def metrics_object_name(seq: int, *, base: bool) -> str:
+    """The name of the ``seq``-th metrics object of a try: a base holds every row kept so far, the
+    others the rows after the object before them."""
+    return "%06d%s.jsonl" % (seq, ".base" if base else "")
+
+
+def metrics_objects(names: Any) -> list[str]:
+    """Of the names in ``metrics/``, the objects to read, in order: the newest base and every one after it."""
+    found = sorted((int(m.group(1)), bool(m.group(2)), name)
+                   for name in names for m in [_METRICS_OBJECT.match(name)] if m)
+    start = max((i for i, (_seq, base, _name) in enumerate(found) if base), default=0)
+    return [name for _seq, _base, name in found[start:]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The names in one artifact folder; ``root`` is a ``Path`` or an ``ObjectStoragePath``."""
@@ -67,6 +85,7 @@ class Layout:
     versions = property(lambda self: self.root / VERSIONS)
     checkpoints = property(lambda self: self.root / CHECKPOINTS)
     metrics = property(lambda self: self.root / METRICS)
+    metrics_dir = property(lambda self: self.root / METRICS_DIR)
     run_marker = property(lambda self: self.root / RUN_MARKER)
     try_marker = property(lambda self: self.root / TRY_MARKER)
 
@@ -272,7 +291,7 @@ def _try_status(value: Any) -> TryStatus | None:
 
 
 _TRY_FIELDS = ("try_number", "np", "run_id", "launcher", "duration_s", "resumed_from", "resumed_from_try",
-               "resumed_from_step", "error", "committed_at", "attempts")
+               "resumed_from_step", "error", "committed_at", "attempts", "not_stored")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +314,7 @@ class TryMarker:
     error: dict[str, Any] | None = None  # events.Failure's JSON
     committed_at: float | None = None
     attempts: tuple[dict[str, Any], ...] = ()  # RunReport.attempts: the barrier stages of this try
+    not_stored: tuple[dict[str, Any], ...] = ()  # {"seq", "step", "reason"}: versions that never reached the store
     run: RunMarker | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -302,6 +322,7 @@ class TryMarker:
                "stored_files": list(self.stored_files)}
         out.update((name, getattr(self, name)) for name in _TRY_FIELDS)
         out["attempts"] = list(self.attempts)
+        out["not_stored"] = list(self.not_stored)
         out["run"] = self.run.to_json() if self.run is not None else None
         return out
 
@@ -319,5 +340,6 @@ class TryMarker:
         if not isinstance(fields["error"], dict):
             fields["error"] = None
         fields["attempts"] = tuple(a for a in fields["attempts"] or () if isinstance(a, dict))
+        fields["not_stored"] = tuple(a for a in fields["not_stored"] or () if isinstance(a, dict))
         return cls(status=_try_status(value.get("status")), complete=value.get("complete") is True,
                    stored_files=tuple(n for n in stored if isinstance(n, str)), run=run, **fields)

@@ -82,7 +82,9 @@ def test_digits_example_trains_evaluates_and_publishes_the_model(airflow):
     # runtime.report every step: the newest values, metrics.jsonl (coalesced, in step order) and the progress line
     metrics = airflow.xcom("horovod_digits_train", "train", "horovod_metrics")
     assert metrics["step"] == metrics["total_steps"] == 8 * 22 and 0 < metrics["loss"] < 1 and 0.5 < metrics["acc"] <= 1
-    kept = [json.loads(line) for line in (store / "metrics.jsonl").read_text().splitlines()]
+    from airflow_provider_horovod.store import read_metrics, storage_path
+
+    kept = read_metrics(storage_path(trained["artifacts_uri"]), max_rows=10**6)  # metrics/<n>.jsonl, in order
     assert kept[-1]["step"] == metrics["step"] and kept[-1]["values"] == {"loss": metrics["loss"], "acc": metrics["acc"]}
     assert [row["step"] for row in kept] == sorted({row["step"] for row in kept}) and len(kept) < metrics["step"]
     assert "Horovod progress: step %d/%d (100%%), loss" % (metrics["step"], metrics["step"]) in proc.stdout + proc.stderr
@@ -191,19 +193,31 @@ def test_reference_string_operator_and_task_horovod_decorator(airflow):
     assert (torch_by_reference["result"], torch_by_reference["launcher"]) == (2, "torch")
 
 
-def test_retry_resumes_from_the_checkpoint_of_the_failed_try(airflow):
-    proc = airflow.dags_test("hvd_test_retry")
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_retry_resumes_from_the_checkpoint_of_the_failed_try(airflow, where, request):
+    from airflow_provider_horovod import store
+
+    env = {}
+    if where == "s3":  # the artifact root in a bucket of the real S3 server, through an aws connection
+        from tests import s3
+
+        server = request.getfixturevalue("s3_server")
+        env = {"AIRFLOW__HOROVOD__ARTIFACT_ROOT": s3.uri(server.new_bucket(), "artifacts"),
+               "AIRFLOW_CONN_%s" % s3.CONN_ID.upper(): server.connection()}
+    proc = airflow.dags_test("hvd_test_retry", env=env)
     assert proc.returncode == 0, explain(proc)
     assert airflow.task_states("hvd_test_retry") == {"flaky": ("success", 2)}
     assert airflow.xcom("hvd_test_retry", "flaky") == {"resumed_step": 42, "rank": 0}
     assert airflow.xcom("hvd_test_retry", "flaky", "horovod_try_number") == 2
-    second_store = local(airflow.xcom("hvd_test_retry", "flaky", "horovod_artifacts_uri"))
+    uri = airflow.xcom("hvd_test_retry", "flaky", "horovod_artifacts_uri")
+    assert uri.startswith(where + "://"), uri
+    second_store = store.storage_path(uri)
     first_store = second_store.parent / "try-1"
     assert json.loads((first_store / "_ARTIFACTS.json").read_text())["status"] == "failed"
     assert (first_store / "checkpoints" / "step.txt").read_text() == "41"
     assert second_store.name == "try-2"
     second_marker = json.loads((second_store / "_ARTIFACTS.json").read_text())
-    assert second_marker["resumed_from"] == "file://%s" % (first_store / "checkpoints")  # what the Horovod view shows
+    assert second_marker["resumed_from"] == str(first_store / "checkpoints")  # what the Horovod view shows
     assert json.loads((first_store / "_ARTIFACTS.json").read_text())["error"]["exception"] == (
         "RuntimeError: first try fails after its checkpoint")
 

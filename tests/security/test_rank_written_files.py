@@ -36,7 +36,7 @@ def test_a_step_too_large_for_any_reader_is_refused_at_the_call_and_on_the_chann
 def test_the_recorder_closes_whatever_reports_reached_it(tmp_path, caplog):
     """Reports made without the checks (a rank's own frames, an older rank) still end in the final
     values: close() never raises, so the operator's store that follows always runs."""
-    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=lambda path: None,
+    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=lambda data, base: None,
                                log=__import__("logging").getLogger("test"), progress_interval=3600)
     recorder(Report(time=1.0, step=1, total_steps=2**70, metrics={"loss": 1.0}))
     recorder(Report(time=2.0, step=10**399, total_steps=2**70, metrics={"loss": 0.5}))
@@ -49,7 +49,7 @@ def test_the_metrics_history_stays_within_its_bound_spread_over_the_whole_try(tm
 
     monkeypatch.setattr(metrics, "MAX_BYTES", 8192)
     local = tmp_path / "metrics.jsonl"
-    recorder = MetricsRecorder(local, commit=lambda path: None, log=__import__("logging").getLogger("test"))
+    recorder = MetricsRecorder(local, commit=lambda data, base: None, log=__import__("logging").getLogger("test"))
     for step in range(20000):
         recorder(Report(time=float(step), step=step, metrics={"loss": 1.0 / (step + 1)}))
     recorder.close()

@@ -28,7 +28,9 @@ class _Clock:
 
 def test_recorder_keeps_every_report_logs_at_most_once_per_interval_and_commits_every_few_seconds(tmp_path, caplog):
     clock, commits = _Clock(), []
-    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=lambda p: commits.append(len(p.read_text().splitlines())),
+    sent = []  # each commit sends the rows since the one before: appended, they are the whole file
+    recorder = MetricsRecorder(tmp_path / "metrics.jsonl",
+                               commit=lambda data, base: (sent.append(data), commits.append(len(b"".join(sent).splitlines()))),
                                log=logging.getLogger("test.metrics"), progress_interval=10.0, clock=clock)
     with caplog.at_level(logging.INFO, logger="test.metrics"):
         for step in range(1, 41):  # 40 reports half a second apart: 20 s
@@ -42,10 +44,31 @@ def test_recorder_keeps_every_report_logs_at_most_once_per_interval_and_commits_
     assert [p.split(",")[0] for p in progress] == ["Horovod progress: step 1/100 (1%)", "Horovod progress: step 21/100 (21%)",
                                                    "Horovod progress: step 40/100 (40%)"]  # at 0.5 s, 10.5 s, the end
     assert commits[0] == 1 and commits[-1] == 40 and len(commits) == int(20 / COMMIT_INTERVAL_S) + 1
+    assert b"".join(sent) == (tmp_path / "metrics.jsonl").read_bytes()  # never a row twice, none left out
     assert final == {"loss": 0.025, "step": 40, "total_steps": 100}
 
 
 def test_recorder_without_reports_has_no_metrics_and_commits_nothing(tmp_path):
     commits = []
-    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=commits.append, log=logging.getLogger("t"))
+    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=lambda data, base: commits.append(data),
+                               log=logging.getLogger("t"))
     assert recorder.close() == {} and commits == []
+
+
+def test_a_history_thinned_at_max_bytes_is_committed_as_one_base_and_the_store_stays_bounded(tmp_path, monkeypatch):
+    from airflow_provider_horovod import metrics, store
+
+    monkeypatch.setattr(metrics, "MAX_BYTES", 2000)  # ~25 rows
+    monkeypatch.setattr(metrics, "COMMIT_INTERVAL_S", 0.0)  # a commit after every report
+    folder = store.storage_path(tmp_path / "try-1")
+    recorder = MetricsRecorder(tmp_path / "metrics.jsonl", commit=store.MetricsLog(folder).append,
+                               log=logging.getLogger("t"))
+    for step in range(200):
+        recorder(Report.make(float(step), step, 200, {"loss": 1.0}))
+    recorder.close()
+    steps = [r["step"] for r in store.read_metrics(folder, max_rows=1000)]
+    assert steps[0] == 0 and steps[-1] == 199 and steps == sorted(steps)
+    assert steps == [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    names = sorted(p.name for p in (tmp_path / "try-1" / "metrics").iterdir())
+    assert sum(n.endswith(".base.jsonl") for n in names) == 1  # the objects before the newest base are gone
+    assert sum(p.stat().st_size for p in (tmp_path / "try-1" / "metrics").iterdir()) <= 2 * 2000

@@ -1,8 +1,10 @@
-"""The artifact store: the layout, the final marker, committed versions and the resume search."""
+"""The artifact store: the layout, the final marker, committed versions and the resume search, each
+on local disk (``file://``) and on a real S3 server (``s3://``, ``moto_server`` on 127.0.0.1)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +19,11 @@ from airflow_provider_horovod.runner.versions import Version
 
 def prepare(root, try_number: int):
     return store.prepare_try(str(root), dag_id="d", run_id="r", task_id="t", try_number=try_number)
+
+
+def put(path, data: bytes) -> None:
+    """An object written as a store (or a crashed writer) leaves it: no folders needed."""
+    store._put_bytes(path, data)
 
 
 def local_version(tmp_path: Path, seq: int, files: dict[str, bytes], step: int | None = None) -> tuple[Version, Path]:
@@ -43,8 +50,8 @@ def test_unwritable_artifact_root_names_the_path(tmp_path):
         prepare(blocker, 1)
 
 
-def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_checkpoint(tmp_path):
-    root = tmp_path / "root"
+def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_checkpoint(tmp_path, artifact_root):
+    root = artifact_root
     local = tmp_path / "local"
     (local / "checkpoints").mkdir(parents=True)
     (local / "checkpoints" / "epoch-1.pt").write_bytes(b"one")
@@ -55,50 +62,51 @@ def test_store_writes_the_marker_last_and_resume_finds_the_newest_committed_chec
     assert json.loads((try1 / store.MARKER).read_text())["try_number"] == 1
     # try 2 died before committing anything: its half-written checkpoint is never offered
     try2 = prepare(root, 2)
-    (try2 / "checkpoints").mkdir(parents=True)
-    (try2 / "checkpoints" / "epoch-2.pt").write_bytes(b"half")
+    put(try2 / "checkpoints" / "epoch-2.pt", b"half")
+    put(try1 / "checkpoints" / "stray.pt", b"not named by try 1's marker")
     try3 = prepare(root, 3)
     found = store.latest_checkpoint(try3, 3)
     assert str(found.path) == str(try1 / "checkpoints") and found.try_number == 1
-    local_copy = HorovodRunnerHook().download(found.path)
+    local_copy = HorovodRunnerHook().download(found.path, files=found.files)
     try:
+        assert sorted(p.name for p in Path(local_copy).iterdir()) == ["epoch-1.pt"]  # what the marker names, only
         assert (Path(local_copy) / "epoch-1.pt").read_bytes() == b"one"
     finally:
         shutil.rmtree(local_copy)
     with pytest.raises(ArtifactError, match="never committed"):
         store.checkpoint_at(str(try2 / "checkpoints"), roots=[str(root)])
-    assert str(store.checkpoint_at(str(try1), roots=[str(root)])) == str(try1 / "checkpoints")
+    named = store.checkpoint_at(str(try1), roots=[str(root)])
+    assert str(named) == str(try1 / "checkpoints") and store.named_files(named) == ("epoch-1.pt",)  # not stray.pt
 
 
-def test_a_marker_without_complete_true_offers_no_final_checkpoint(tmp_path):
-    try1 = prepare(tmp_path, 1)
-    (try1 / "checkpoints").mkdir()
-    (try1 / "checkpoints" / "half.pt").write_bytes(b"h")
+def test_a_marker_without_complete_true_offers_no_final_checkpoint(artifact_root):
+    try1 = prepare(artifact_root, 1)
+    put(try1 / "checkpoints" / "half.pt", b"h")
     (try1 / store.MARKER).write_text(json.dumps({"status": "failed", "stored_files": ["checkpoints/half.pt"]}))
     assert store.newest_checkpoint(try1) is None
 
 
-def test_a_killed_try_offers_its_newest_committed_version_and_prunes_to_keep(tmp_path):
-    try1 = prepare(tmp_path, 1)
+def test_a_killed_try_offers_its_newest_committed_version_and_prunes_to_keep(tmp_path, artifact_root):
+    try1 = prepare(artifact_root, 1)
     for seq in (1, 2, 3):
         version, local = local_version(tmp_path, seq, {"model.pt": b"w" * seq, "step.txt": str(seq).encode()}, step=10 * seq)
         store.commit_version(try1, local, version, keep=2)
     assert [v.seq for v, _ in store.versions(try1)] == [2, 3]  # the oldest pruned after the third committed
-    assert not (try1 / "versions" / "000001").exists()
-    found = store.latest_checkpoint(prepare(tmp_path, 2), 2)
+    assert not (try1 / "versions" / "000001").exists()  # marker and objects gone, no folder left
+    found = store.latest_checkpoint(prepare(artifact_root, 2), 2)
     assert (found.try_number, found.seq, found.step) == (1, 3, 30)
     assert (found.path / "step.txt").read_text() == "3"
     assert "try 1, version 3, step 30" in found.describe()
-    assert store.checkpoint_at(str(try1), roots=[str(tmp_path)]) == found.path
+    assert str(store.checkpoint_at(str(try1), roots=[artifact_root])) == str(found.path)
+    assert store.named_files(found.path) == found.files == ("model.pt", "step.txt")
 
 
-def test_a_version_without_its_marker_is_never_offered(tmp_path):
-    try1 = prepare(tmp_path, 1)
+def test_a_version_without_its_marker_is_never_offered(tmp_path, artifact_root):
+    try1 = prepare(artifact_root, 1)
     version, local = local_version(tmp_path, 1, {"model.pt": b"one"})
     store.commit_version(try1, local, version, keep=2)
-    half = try1 / "versions" / "000002"
-    half.mkdir(parents=True)
-    (half / "model.pt").write_bytes(b"tw")  # the store failed before the marker
+    put(try1 / "versions" / "000002" / "model.pt", b"tw")  # the store failed before the marker
+    put(try1 / "versions" / "000003" / "_VERSION.json", b'{"seq": 3, "fi')  # half a marker (a local write cut)
     assert [v.seq for v, _ in store.versions(try1)] == [1]
     assert store.newest_checkpoint(try1).seq == 1
 
@@ -131,14 +139,14 @@ class StateStore:
         self.values[key] = json.loads(json.dumps(value))
 
 
-def test_task_state_store_names_the_newest_version_and_a_pruned_one_falls_back_to_the_scan(tmp_path):
-    try1 = prepare(tmp_path, 1)
+def test_task_state_store_names_the_newest_version_and_a_pruned_one_falls_back_to_the_scan(tmp_path, artifact_root):
+    try1 = prepare(artifact_root, 1)
     version, local = local_version(tmp_path, 1, {"model.pt": b"one"}, step=5)
     path = store.commit_version(try1, local, version, keep=1)
     state = StateStore()
     store.record_checkpoint(state, store.Checkpoint(path, 1, 5, 1))
     found = store.recorded_checkpoint(state, try1.parent)
-    assert (str(found.path), found.try_number, found.step) == (str(path), 1, 5)
+    assert (str(found.path), found.try_number, found.step, found.files) == (str(path), 1, 5, ("model.pt",))
     second, local2 = local_version(tmp_path, 2, {"model.pt": b"two"}, step=6)
     store.commit_version(try1, local2, second, keep=1)  # version 1 pruned: the record is stale
     assert store.recorded_checkpoint(state, try1.parent) is None
@@ -155,12 +163,142 @@ def test_metrics_of_a_long_try_are_thinned_evenly_and_keep_the_newest_row():
     assert [r["step"] for r in store.parse_metrics(rows[:3], max_rows=500)] == [1, 2, 3]
 
 
-def test_metrics_are_committed_whole_over_the_previous_file(tmp_path):
-    folder = store.storage_path(tmp_path / "try-1")
-    folder.mkdir(parents=True)
-    local = tmp_path / "metrics.jsonl"
-    for steps in (1, 3):
-        local.write_text("".join('{"step": %d, "time": 1.0, "values": {"loss": 1}}\n' % s for s in range(steps)))
-        store.commit_metrics(folder, local)
-        assert [r["step"] for r in store.read_metrics(folder, max_rows=10)] == list(range(steps))
-    assert sorted(p.name for p in (tmp_path / "try-1").iterdir()) == ["metrics.jsonl"]  # no temporary left
+def rows(steps) -> bytes:
+    return "".join('{"step": %d, "time": 1.0, "values": {"loss": 1}}\n' % s for s in steps).encode()
+
+
+def test_metrics_are_appended_as_new_objects_and_read_back_in_order_from_the_newest_base(artifact_root):
+    folder = prepare(artifact_root, 1)
+    log = store.MetricsLog(folder)
+    log.append(rows(range(0, 2)))
+    log.append(rows(range(2, 5)))
+    assert [r["step"] for r in store.read_metrics(folder, max_rows=100)] == list(range(5))
+    names = sorted(p.name for p in (folder / "metrics").iterdir())
+    assert names == ["000001.jsonl", "000002.jsonl"]  # nothing rewritten, nothing renamed
+    log.append(rows(range(0, 5, 2)), base=True)  # the recorder thinned its file: the whole of it, kept rows only
+    log.append(rows([5]))
+    assert [r["step"] for r in store.read_metrics(folder, max_rows=100)] == [0, 2, 4, 5]
+    assert sorted(p.name for p in (folder / "metrics").iterdir()) == ["000003.base.jsonl", "000004.jsonl"]
+
+
+def test_metrics_of_the_old_layout_still_read(artifact_root):
+    folder = prepare(artifact_root, 1)
+    put(folder / "metrics.jsonl", rows(range(3)) + b'{"step": 3, "ti')  # one file, its last line cut
+    assert [r["step"] for r in store.read_metrics(folder, max_rows=100)] == [0, 1, 2]
+
+
+def test_one_request_per_metrics_commit(s3_server):
+    from tests import s3
+
+    folder = prepare(s3.uri(s3_server.new_bucket(), "store"), 1)
+    log = store.MetricsLog(folder)
+    log.append(rows([0]))  # the first request of a new client also fetches credentials and the like
+    sent = []
+    folder.fs.s3.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.method))
+    for start in range(1, 10, 3):
+        log.append(rows(range(start, start + 3)))
+    assert sent == ["PUT"] * 3
+    log.append(rows(range(10)), base=True)
+    assert sent[3:] == ["PUT", "POST"]  # the base, then one bulk delete of the objects before it
+    assert [r["step"] for r in store.read_metrics(folder, max_rows=100)] == list(range(10))
+
+
+@pytest.fixture
+def gate(s3_server, monkeypatch):
+    """The S3 server behind a gate that cuts the store off mid-commit, as connection ``hvd_s3_gate``."""
+    from tests import s3
+
+    gate = s3.Gate(s3_server)
+    monkeypatch.setenv("AIRFLOW_CONN_HVD_S3_GATE", gate.connection())
+    yield gate
+    gate.close()
+
+
+def test_a_store_cut_off_mid_commit_keeps_the_version_before_newest_and_names_the_uri_and_cause(tmp_path, s3_server,
+                                                                                                gate):
+    from tests import s3
+
+    try1 = prepare(s3.uri(s3_server.new_bucket(), "store", conn_id="hvd_s3_gate"), 1)
+    version, local = local_version(tmp_path, 1, {"model.pt": b"one"})
+    store.commit_version(try1, local, version, keep=2)
+    second, local2 = local_version(tmp_path, 2, {"a.pt": b"first file goes up", "model.pt": b"two"})
+    gate.cut_at = b"/versions/000002/model.pt"  # the store goes away after the version's first file
+    with pytest.raises(ArtifactError, match=r"version 2 to s3://hvd_s3_gate@.*/versions/000002 \(.*(Connection|connect)"):
+        store.commit_version(try1, local2, second, keep=2)
+    gate.reopen()
+    assert (try1 / "versions" / "000002" / "a.pt").exists()  # half a version is there, but without its marker ...
+    assert [v.seq for v, _ in store.versions(try1)] == [1]  # ... so it is never offered
+    assert (store.newest_checkpoint(try1).path / "model.pt").read_bytes() == b"one"
+
+
+@pytest.mark.parametrize(("where", "cause"), [("a file in the way", "Error"), ("no such bucket", "FileNotFoundError: The specified bucket does not exist"),
+                                              ("nothing listening", "EndpointConnectionError")])
+def test_a_store_that_is_down_when_the_try_starts_fails_it_before_anything_runs(tmp_path, s3_server, monkeypatch, where,
+                                                                                 cause):
+    from tests import s3
+
+    if where == "a file in the way":
+        (tmp_path / "a-file").write_text("not a folder")
+        root = str(tmp_path / "a-file")
+    elif where == "no such bucket":
+        root = s3.uri("hvd-no-such-bucket", "store")
+    else:
+        monkeypatch.setenv("AIRFLOW_CONN_HVD_S3_DEAD", json.dumps({"conn_type": "aws", "login": "k", "password": "s",
+            "extra": {"endpoint_url": "http://127.0.0.1:%d" % s3.free_port(), "region_name": "us-east-1",
+                      "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}}))
+        root = s3.uri("hvd-artifacts", "store", conn_id="hvd_s3_dead")
+    with pytest.raises(ArtifactError, match=r"Cannot write Horovod artifacts under \S*%s \(\w*%s.*artifact_root" % (
+            re.escape(root.split("://")[-1]), cause)):
+        prepare(root, 1)
+
+
+WRITER = """
+import os, sys, time
+from pathlib import Path
+from airflow_provider_horovod import store
+from airflow_provider_horovod.runner.versions import Version
+root, local = sys.argv[1], Path(sys.argv[2])
+folder = store.prepare_try(root, dag_id="d", run_id="r", task_id="t", try_number=1)
+for seq in range(1, 100):
+    (local / "step.txt").write_text(str(seq))
+    with open(local / "model.pt", "wb") as f:
+        f.write(os.urandom(1 << 20) * 32)
+    files = (("model.pt", 32 << 20), ("step.txt", len(str(seq))))
+    print("uploading", seq, flush=True)
+    store.commit_version(folder, local, Version(seq=seq, step=seq, time=time.time(), size=sum(s for _, s in files),
+                                                files=files), keep=2)
+"""
+
+
+def test_a_writer_sigkilled_mid_upload_leaves_its_newest_committed_version_whole(tmp_path, artifact_root):
+    """The store's half of the SIGKILL test: the process committing versions dies mid-upload (no
+    cleanup runs); what a reader finds is the newest version whose marker is there, every object it
+    names whole, and a retry resumes from it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    local = tmp_path / "local"
+    local.mkdir()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, artifact_root, str(local)], stdout=subprocess.PIPE,
+                              text=True, cwd=str(Path(__file__).resolve().parents[2]))
+    try:
+        for line in writer.stdout:
+            if line.strip() == "uploading 3":
+                time.sleep(0.05)  # inside version 3's upload (32 MiB): its marker is not there yet
+                break
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(10)
+    try1 = store.try_folder(store.task_folder(artifact_root, "d", "r", "t"), 1)
+    committed = store.versions(try1)
+    assert [v.seq for v, _ in committed][-1] in (2, 3) and len(committed) >= 1
+    if artifact_root.startswith("s3://"):  # 32 MiB to this server takes far longer than 50 ms: killed mid-upload
+        assert committed[-1][0].seq == 2
+    for version, path in committed:  # every committed version is whole
+        assert (path / "step.txt").read_text() == str(version.seq)
+        model = path / "model.pt"
+        assert model.fs.size(model.path) == 32 << 20
+    found = store.latest_checkpoint(prepare(artifact_root, 2), 2)
+    assert (found.try_number, found.seq) == (1, committed[-1][0].seq)

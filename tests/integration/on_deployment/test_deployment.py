@@ -255,13 +255,13 @@ def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newe
 
 
 def watch_the_live_view(deployment: Deployment, browser, tmp_path: Path, dag_id: str, run_id: str, task_id: str) -> None:
-    """While the try runs (it reports a step every 0.5 s): its metrics.jsonl is in the store, its log
-    has progress lines, and the Horovod view shows it running and the step advancing without a reload."""
+    """While the try runs (it reports a step every 0.5 s): its metrics are in the store (``metrics/<n>.jsonl``),
+    its log has progress lines, and the Horovod view shows it running and the step advancing without a reload."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    live = deployment.artifact_folder(dag_id, run_id, task_id, 1) / "metrics.jsonl"
-    wait_until(lambda: live.exists(), 30, "no metrics.jsonl committed while %s runs" % task_id)
+    live = deployment.artifact_folder(dag_id, run_id, task_id, 1) / "metrics"
+    wait_until(lambda: live.is_dir() and any(live.iterdir()), 30, "no metrics committed while %s runs" % task_id)
     wait_log(deployment.api, dag_id, run_id, task_id, 1, "Horovod progress: step ", timeout=30)
     browser.get("%s/horovod/dags/%s/runs/%s/tasks/%s" % (deployment.base_url, dag_id, quote(run_id, safe=""), task_id))
     wait = WebDriverWait(browser, BROWSER_WAIT_S)

@@ -4,6 +4,8 @@ as it comes, the try's end), on a real local artifact store: no Spark, no ranks.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -55,24 +57,64 @@ def local_version(tmp_path: Path, seq: int, step: int) -> tuple[Path, Version]:
     return folder, version
 
 
-def test_the_version_sink_commits_each_version_into_the_store_and_records_it_for_the_next_try(tmp_path):
-    root, state = tmp_path / "root", StateStore()
+def stored(op: HorovodRunnerOperator, folder, ctx: dict, *versions: tuple[Version, Path]) -> list[dict]:
+    """Each version offered to the operator's sink as the engine does, then the try's end (all uploaded)."""
+    staging = Path(tempfile.mkdtemp(prefix="hvd-test-uploads-"))
+    uploads = op._version_sink(folder, ctx, staging)
+    for version, local in versions:
+        uploads(version, local)
+    try:
+        return uploads.close(30)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def test_the_version_sink_commits_each_version_into_the_store_and_records_it_for_the_next_try(tmp_path,
+                                                                                             artifact_root):
+    root, state = artifact_root, StateStore()
     op, folder = operator(root, keep_checkpoints=1), try_folder(root, 1)
-    commit = op._version_sink(folder, context(1, state))
-    for seq, step in ((1, 10), (2, 20)):
+    offered = []
+    for seq, step in ((1, 10), (2, 20), (3, 30)):
         folder_, version = local_version(tmp_path, seq, step)
-        commit(version, folder_)
-    assert [(v.seq, v.step) for v, _ in store.versions(folder)] == [(2, 20)]  # keep_checkpoints=1 pruned the first
+        offered.append((version, folder_))
+    not_stored = stored(op, folder, context(1, state), *offered)
+    assert {n["seq"] for n in not_stored} <= {1, 2} and all("coalesced" in n["reason"] for n in not_stored)
+    assert [(v.seq, v.step) for v, _ in store.versions(folder)] == [(3, 30)]  # keep_checkpoints=1 pruned the rest
     recorded = state.values[store.STATE_KEY]
-    assert (recorded["seq"], recorded["step"], recorded["try_number"]) == (2, 20, 1)
-    assert (store.storage_path(recorded["uri"]) / "model.pt").read_text() == "weights at step 20"
+    assert (recorded["seq"], recorded["step"], recorded["try_number"]) == (3, 30, 1)
+    assert (store.storage_path(recorded["uri"]) / "model.pt").read_text() == "weights at step 30"
+
+
+def test_a_slow_store_coalesces_to_the_newest_version_and_the_try_end_says_what_did_not_make_it(tmp_path,
+                                                                                                artifact_root):
+    root = artifact_root
+    op, folder = operator(root, keep_checkpoints=5), try_folder(root, 1)
+    uploads = op._version_sink(folder, context(1, StateStore()), tmp_path / "uploads")
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "model.pt").write_bytes(bytes(64 << 20))  # the first upload takes a while: the next ones wait
+    later = [local_version(tmp_path, seq, seq) for seq in range(2, 6)]
+    uploads(Version(seq=1, step=1, time=1.0, size=64 << 20, files=(("model.pt", 64 << 20),)), big)
+    deadline = time.monotonic() + 10
+    while uploads.uploading != 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for folder_, version in later:  # offered while the first one uploads: each returns at once
+        uploads(version, folder_)
+    not_stored = uploads.close(60)
+    kept = [v.seq for v, _ in store.versions(folder)]
+    assert kept[-1] == 5 and 1 in kept  # the newest, and the one that was uploading
+    assert sorted(n["seq"] for n in not_stored) == sorted(set(range(2, 5)) - set(kept))  # the rest coalesced ...
+    if artifact_root.startswith("s3://"):  # 64 MiB to S3 takes far longer than four offers: never queued
+        assert [n["seq"] for n in not_stored] == [2, 3, 4]
+    assert all("coalesced" in n["reason"] for n in not_stored)  # ... and said so
+    assert not any((tmp_path / "uploads").iterdir())  # the staged copies are gone
 
 
 def test_a_retry_resumes_from_what_task_state_store_recorded_copied_to_a_local_folder(tmp_path):
     root, state = tmp_path / "root", StateStore()
     op, first = operator(root), try_folder(root, 1)
     local_folder, version = local_version(tmp_path, 1, 10)
-    op._version_sink(first, context(1, state))(version, local_folder)
+    stored(op, first, context(1, state), (version, local_folder))
     source, local = op._resume_from(try_folder(root, 2), context(2, state))
     assert (source.try_number, source.step, source.seq) == (1, 10, 1)
     assert (Path(local) / "model.pt").read_text() == "weights at step 10"
@@ -85,7 +127,7 @@ def test_without_a_record_the_store_scan_finds_the_newest_version_of_the_newest_
         scratch = tmp_path / ("try-%d" % try_number)
         scratch.mkdir()
         folder, version = local_version(scratch, 1, step)
-        op._version_sink(try_folder(root, try_number), context(try_number))(version, folder)
+        stored(op, try_folder(root, try_number), context(try_number), (version, folder))
     source, local = op._resume_from(try_folder(root, 3), context(3, StateStore()))
     assert (source.try_number, source.step) == (2, 7)
     assert (Path(local) / "model.pt").read_text() == "weights at step 7"
@@ -95,7 +137,7 @@ def test_a_first_try_and_resume_never_start_from_scratch(tmp_path):
     root, state = tmp_path / "root", StateStore()
     local_folder, version = local_version(tmp_path, 1, 1)
     first = try_folder(root, 1)
-    operator(root)._version_sink(first, context(1, state))(version, local_folder)
+    stored(operator(root), first, context(1, state), (version, local_folder))
     assert operator(root)._resume_from(first, context(1, state)) == (None, None)  # a first try has nothing earlier
     assert operator(root, resume="never")._resume_from(try_folder(root, 3), context(3, state)) == (None, None)
 
@@ -103,13 +145,13 @@ def test_a_first_try_and_resume_never_start_from_scratch(tmp_path):
 def test_a_try_after_a_clear_starts_from_scratch_and_its_retries_resume_only_from_tries_since_the_clear(tmp_path):
     root, state = tmp_path / "root", StateStore()
     local_folder, version = local_version(tmp_path, 1, 5)
-    operator(root, retries=2)._version_sink(try_folder(root, 1), context(1, state, max_tries=2))(version, local_folder)
+    stored(operator(root, retries=2), try_folder(root, 1), context(1, state, max_tries=2), (version, local_folder))
     # Clear after try 1: Airflow sets max_tries to 1 + retries, so try 2 is the first of a new round
     assert operator(root, retries=2)._resume_from(try_folder(root, 2), context(2, state, max_tries=3)) == (None, None)
     # its retry (try 3) resumes from what try 2 committed, never from before the Clear
     assert operator(root, retries=2)._resume_from(try_folder(root, 3), context(3, state, max_tries=3)) == (None, None)
     local_folder, version = local_version(tmp_path, 2, 9)
-    operator(root, retries=2)._version_sink(try_folder(root, 2), context(2, state, max_tries=3))(version, local_folder)
+    stored(operator(root, retries=2), try_folder(root, 2), context(2, state, max_tries=3), (version, local_folder))
     source, _ = operator(root, retries=2)._resume_from(try_folder(root, 3), context(3, state, max_tries=3))
     assert (source.try_number, source.step) == (2, 9)
 
@@ -118,7 +160,7 @@ def test_with_resume_on_clear_a_try_after_a_clear_resumes_as_a_retry_does(tmp_pa
     root, state = tmp_path / "root", StateStore()
     local_folder, version = local_version(tmp_path, 1, 5)
     op = operator(root, retries=0, resume_on_clear=True)
-    op._version_sink(try_folder(root, 1), context(1, state, max_tries=0))(version, local_folder)
+    stored(op, try_folder(root, 1), context(1, state, max_tries=0), (version, local_folder))
     source, _ = op._resume_from(try_folder(root, 2), context(2, state, max_tries=1))  # cleared: max_tries 1 + 0
     assert (source.try_number, source.step) == (1, 5)
     source, _ = op._resume_from(try_folder(root, 2), context(2, None, max_tries=1))  # Airflow 3.4: the store emptied

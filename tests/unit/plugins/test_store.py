@@ -134,3 +134,43 @@ def test_a_running_try_shows_its_live_metrics_and_a_linked_metrics_file_is_not_r
     (task / "try-2" / "metrics.jsonl").unlink()
     (task / "try-2" / "metrics.jsonl").symlink_to(secret)
     assert second.metrics(10) == []
+
+
+def test_the_view_reads_what_the_store_wrote_on_local_disk_and_on_s3(artifact_root, tmp_path, monkeypatch):
+    """The view over a store written by the store's own code (versions, live metrics, the try's
+    marker), once on ``file://`` and once on ``s3://``: it shows only what markers name."""
+    from airflow_provider_horovod import store
+    from airflow_provider_horovod.plugins.view import _progress
+    from airflow_provider_horovod.runner.versions import Version
+
+    monkeypatch.setenv("AIRFLOW__HOROVOD__ARTIFACT_ROOT", artifact_root)
+    try1 = store.prepare_try(artifact_root, dag_id="dag", run_id="run", task_id="train", try_number=1)
+    local = tmp_path / "v"
+    local.mkdir()
+    (local / "model.pt").write_bytes(b"m" * 7)
+    for seq in (1, 2):
+        store.commit_version(try1, local, Version(seq=seq, step=10 * seq, time=1.0, size=7, files=(("model.pt", 7),)),
+                             keep=2)
+    store._put_bytes(try1 / "versions" / "000003" / "model.pt", b"half")  # an upload cut before its marker
+    metrics = store.MetricsLog(try1)
+    metrics.append(b'{"step": 0, "total_steps": 100, "time": 10.0, "values": {"loss": 2.0}}\n')
+    metrics.append(b'{"step": 20, "total_steps": 100, "time": 20.0, "values": {"loss": 1.0}}\n')
+    [running] = TaskArtifacts.find("dag", "run", "train").tries()
+    assert not running.committed and [v["seq"] for v in running.versions()] == [1, 2]
+    assert _progress(running, running=True)["steps_per_s"] == 2.0
+
+    engine = tmp_path / "engine"
+    (engine / "checkpoints").mkdir(parents=True)
+    (engine / "checkpoints" / "final.pt").write_bytes(b"final")
+    (engine / "timeline.json").write_bytes(b"[]")
+    store.store_try(engine, try1, store.TryMarker(status=store.TryStatus.SUCCESS, complete=False, try_number=1))
+    store._put_bytes(try1 / "checkpoints" / "stray.pt", b"not named by the marker")
+    [done] = TaskArtifacts.find("dag", "run", "train").tries()
+    assert done.committed and done.status == "success"
+    assert [(f.path, f.size) for f in done.files()] == [("checkpoints/final.pt", 5), ("timeline.json", 2)]
+    assert done.file("checkpoints/final.pt").read_bytes() == b"final" and done.timeline().events == 0
+    with pytest.raises(NotFound):
+        done.file("checkpoints/stray.pt")
+    with pytest.raises(NotFound):
+        done.file("versions/000003/model.pt")
+    assert [r["step"] for r in done.metrics(100)] == [0, 20]

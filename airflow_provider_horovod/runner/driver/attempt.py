@@ -92,6 +92,20 @@ def _in_thread(name: str, work: Callable[[], Any], events: queue.Queue) -> threa
     return thread
 
 
+def fixed_slots(master: str | None) -> bool:
+    """Whether a master's barrier slots can never grow: a local master (``local``, ``local[N]``,
+    ``local[*]``, ``local[N,F]``) runs its tasks in the driver's JVM, where no executor joins."""
+    return bool(master) and re.fullmatch(r"local(\[[^\]]*\])?", str(master).strip()) is not None
+
+
+def _master(spark: Any) -> str | None:
+    with contextlib.suppress(Exception):
+        return spark.sparkContext.master
+    with contextlib.suppress(Exception):
+        return spark.conf.get("spark.master", None)
+    return None
+
+
 def checked_plan(driver_python: str, driver_stack: dict[str, str], facts: list[TaskFacts]) -> Plan:
     """The driver's planner: the plan of ``facts``, or ``PlanError`` when ``check_facts`` refuses them;
     a host that is short of something its ranks may need is a warning in the log (``readiness``)."""
@@ -358,6 +372,13 @@ class Attempt:
         self.slots = self._available_slots(spark)
         if self.slots is None or self.slots >= self.np:
             return
+        master = _master(spark)
+        if fixed_slots(master):
+            raise InsufficientSlotsError(
+                "np=%d needs %d barrier slots, but the cluster has %d (the master %s), and no executor can join a "
+                "local master: waiting start_timeout=%gs would not help. Lower np to %d or less, or give the master "
+                "more cores (local[%d], in the connection's host or the session's master)." % (
+                    self.np, self.np, self.slots, master, self.runner.start_timeout, self.slots, self.np))
         log.info("Waiting up to start_timeout=%gs for %d barrier slots: the cluster has %d now (executors still "
                  "registering, or slots other jobs hold)", self.runner.start_timeout, self.np, self.slots)
         started = time.monotonic()

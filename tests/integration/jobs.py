@@ -377,3 +377,13 @@ def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horo
             time.sleep(600)  # the loss ends this attempt
         time.sleep(pause)
     return {"start": start, "attempt": runtime.attempt(), "size": size}
+
+
+def saves_a_checkpoint_job():
+    """Rank 0 saves two files in runtime.checkpoint_dir() and returns the rank count."""
+    from airflow_provider_horovod import runtime
+
+    if runtime.rank() == 0:
+        (runtime.checkpoint_dir() / "model.pt").write_bytes(b"weights")
+        (runtime.checkpoint_dir() / "optimizer.pt").write_bytes(b"state")
+    return runtime.size()

@@ -227,6 +227,14 @@ def test_unpicklable_return_value_fails_in_the_rank_saying_what_to_return_instea
     assert (tmp_path / "run" / "checkpoints" / "model.pt").read_bytes() == b"weights"  # the training is not lost
 
 
+def test_an_engine_run_without_artifact_dir_warns_naming_the_checkpoints_it_discards(spark, caplog, capfd):
+    with caplog.at_level(logging.INFO):
+        assert HorovodRunner(2, launcher="gloo", spark=spark).run(jobs.saves_a_checkpoint_job) == 2
+    said = caplog.text + "".join(capfd.readouterr())
+    assert ("WARNING: rank 0 saved model.pt, optimizer.pt in runtime.checkpoint_dir(), and this run has no "
+            "artifact_dir: they are deleted with the task's folder now. Pass artifact_dir=") in said
+
+
 def test_unpicklable_kwarg_fails_before_any_spark_job(spark):
     tracker = spark.sparkContext.statusTracker()
     jobs_before = set(tracker.getJobIdsForGroup())
@@ -473,7 +481,8 @@ def test_executor_without_the_package_fails_with_one_line_naming_host_interprete
 
 
 def test_hook_session_on_a_local_master_gives_the_executors_the_driver_interpreter(tmp_path):
-    """No PYSPARK_PYTHON anywhere: the executors would run ``python3`` from the PATH, which lacks the package."""
+    """No PYSPARK_PYTHON anywhere: the executors would run ``python3`` from the PATH, which lacks the package.
+    And the next task of the process with other Spark conf gets a session with its own conf."""
     import json
     import os
     import subprocess
@@ -487,7 +496,9 @@ def test_hook_session_on_a_local_master_gives_the_executors_the_driver_interpret
     proc = subprocess.run([sys.executable, str(scenario), "spark_local", str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert json.loads(out.read_text()) == {"rank_python": sys.executable, "conf": sys.executable}
+    assert json.loads(out.read_text()) == {"rank_python": sys.executable, "conf": sys.executable, "next_task": {
+        "fresh": True, "first_stopped": True, "conf": "7", "reused_when_the_same": True}}
+    assert "has other Spark conf (spark.task.maxFailures): stopping it and starting this task's own" in proc.stderr + proc.stdout
 
 
 

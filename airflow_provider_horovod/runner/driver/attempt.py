@@ -92,6 +92,12 @@ def _in_thread(name: str, work: Callable[[], Any], events: queue.Queue) -> threa
     return thread
 
 
+def verbosity(runner: HorovodRunner) -> str:
+    """The run's ``driver_log_verbosity``; with ``np < 0`` always ``"all"``: local processes show every
+    rank's output whatever it says, as sparkdl's HorovodRunner sends local-mode output to the cell."""
+    return "all" if runner.np < 0 else runner.driver_log_verbosity
+
+
 def fixed_slots(master: str | None) -> bool:
     """Whether a master's barrier slots can never grow: a local master (``local``, ``local[N]``,
     ``local[*]``, ``local[N,F]``) runs its tasks in the driver's JVM, where no executor joins."""
@@ -140,7 +146,7 @@ class Attempt:
         self.channel = Channel(self.secret, run_id=self.run_id, on_event=self.events.put, artifact_staging=staging,
                                resume_root=self.resume_from, limits=runner.artifact_limits, versions=sink,
                                on_report=runner.on_report,
-                               output=RankOutput(stream_all=runner.driver_log_verbosity == "all"))
+                               output=RankOutput(stream_all=verbosity(runner) == "all"))
         self.supervisor: Supervisor | None = None
         self.workers_python = "python3"  # what the executors were asked to run, for the error that names it
         self.slots: int | None = None
@@ -197,7 +203,7 @@ class Attempt:
             secret=secret,
             payload=payload,
             launcher=self.runner.launcher,
-            verbosity=self.runner.driver_log_verbosity,
+            verbosity=verbosity(self.runner),
             channel=channel,
             env=self.runner.env,
             driver_python=platform.python_version(),

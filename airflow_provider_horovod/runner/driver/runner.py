@@ -70,7 +70,8 @@ class HorovodRunner:
         ``WORLD_SIZE``, ``LOCAL_RANK``, ...), so unmodified DDP, FSDP or ``accelerate`` code runs; it
         needs torch and no Horovod (``stall_timeout`` and ``timeline`` are Horovod's: not under torch).
     :param driver_log_verbosity: ``"all"`` streams every rank's output to the driver;
-        ``"log_callback_only"`` streams only ``runtime.log_to_driver`` messages. The lines go to the
+        ``"log_callback_only"`` streams only ``runtime.log_to_driver`` messages (with ``np < 0``, every
+        rank's output is shown whatever this says, as in sparkdl's local mode). The lines go to the
         ``airflow_provider_horovod.ranks`` logger when logging is configured, else to stdout.
     :param spark: the SparkSession to use; else the active one; else ``getOrCreate()``.
     :param env: extra environment variables for every rank process.

@@ -473,18 +473,27 @@ class Attempt:
         failure = parse_failure(text)
         if failure is not None:
             return self._error(failure, channel)
-        if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
-            found = re.search(r"different version \(?([\d, .]+)\)? than that in driver ([\d.]+)", text)
-            executor = found.group(1).replace(", ", ".").strip() if found else "another version"
-            return ExecutorMismatchError(
-                "Python %s on the executors differs from the driver's %s. Point PYSPARK_PYTHON (or "
-                "spark.pyspark.python) at the same Python version on the driver and the executors."
-                % (executor, platform.python_version())
-            )
+        mismatch = python_mismatch_text(text, platform.python_version())
+        if mismatch is not None:
+            return ExecutorMismatchError(mismatch)
         missing = executors.missing_module_text(text, self.workers_python, executors.needed_modules(self.runner.launcher.runs_horovod))
         if missing is not None:
             return ExecutorMismatchError(missing)
         return HorovodRunError("The Spark job running the Horovod ranks failed:\n%s" % quoted_text(str(err).strip()[:4000]))
+
+
+def python_mismatch_text(text: str, driver: str) -> str | None:
+    """Spark's error for executors whose Python differs from the driver's, in our words with the
+    executor's version and host (PySpark 3: ``different version (3, 10) than that in driver 3.11``;
+    PySpark 4: ``different version: 3.10 than that in driver: 3.11``); ``None`` for any other error."""
+    if "PYTHON_VERSION_MISMATCH" not in text and "different version" not in text:
+        return None
+    found = re.search(r"different version:? \(?([\d][\d, .]*?)\)? than that in driver", text)
+    executor = found.group(1).replace(", ", ".").strip() if found else "of another version"
+    host = re.search(r"\(TID \d+\) \(([^ ()]+) executor ([^ ()]+)\)", text)
+    where = " (host %s, executor %s)" % host.groups() if host else ""
+    return ("Python %s on the executors%s differs from the driver's %s. Point PYSPARK_PYTHON (or "
+            "spark.pyspark.python) at the same Python version on the driver and the executors." % (executor, where, driver))
 
 
 def run_error(failure: Failure, tails: dict[int, list[str]], others: list[Failure] = (), *, launcher: str,

@@ -142,3 +142,21 @@ def test_resume_uri_at_a_missing_path_says_it_does_not_exist(tmp_path):
     for missing in ("dag/run/task/try-3", "dag/run/task/try-3/checkpoints", "elsewhere"):
         with pytest.raises(ArtifactError, match="it does not exist"):
             store.checkpoint_at(str(tmp_path / missing), roots=[str(tmp_path)])
+
+
+SPARK_LOST = "Job aborted due to stage failure: Task 0 in stage 3.0 failed 1 times, most recent failure: Lost task 0.0 in stage 3.0 (TID 7) (worker-3.example executor 1): org.apache.spark.api.python.PythonException: "
+
+
+@pytest.mark.parametrize(("spark_says", "ours"), [
+    (SPARK_LOST + "[PYTHON_VERSION_MISMATCH] Python in worker has different version: 3.10 than that in driver: "
+     "3.11, PySpark cannot run with different minor versions.",
+     "Python 3.10 on the executors (host worker-3.example, executor 1) differs from the driver's 3.11."),
+    ("Exception: Python in worker has different version (3, 10) than that in driver 3.11, PySpark cannot run",
+     "Python 3.10 on the executors differs from the driver's 3.11."),
+])
+def test_the_executors_python_version_is_said_in_our_words_with_the_host(spark_says, ours):
+    from airflow_provider_horovod.runner.driver.attempt import python_mismatch_text
+
+    said = python_mismatch_text(spark_says, "3.11")
+    assert said.startswith(ours) and "PYSPARK_PYTHON" in said and "another version" not in said
+    assert python_mismatch_text("java.lang.OutOfMemoryError", "3.11") is None

@@ -415,6 +415,9 @@ class HorovodRunnerHook(BaseHook):
 JVM_LOG = logging.getLogger("airflow_provider_horovod.spark")
 # log4j's default layout in Spark: "25/12/03 04:10:11 WARN NativeCodeLoader: Unable to load ..."
 JVM_LINE = re.compile(r"^\d\d/\d\d/\d\d \d\d:\d\d:\d\d (TRACE|DEBUG|INFO|WARN|ERROR|FATAL) ")
+# a Java stack trace's lines: its exception ("org.apache.spark.SparkException: ..."), frames, causes
+JVM_STACK_LINE = re.compile(r"^(\s+at |\s*\.\.\. \d+ (more|common frames omitted)|Caused by: |\s+Suppressed: |"
+                            r"([a-z_$][\w$]*\.)+[A-Z][\w$]*(Exception|Error|Throwable)(: |$))")
 JVM_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
               "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
 
@@ -490,8 +493,9 @@ def _escaped_property(text: str) -> str:
 class _JvmLines(threading.Thread):
     """Follows the JVM's output file and logs each line at its log4j level.
 
-    Lines without a level (banners, stack-trace lines) take the level of the line before them, INFO
-    at first.
+    Java stack traces (exception, frames, causes) go to DEBUG: under a failed run the provider's own
+    error says what happened in one line, and 75-100 lines of Spark's frames would bury it. Other
+    lines without a level (banners) take the level of the line before them, INFO at first.
     """
 
     POLL_S = 0.2
@@ -515,6 +519,9 @@ class _JvmLines(threading.Thread):
 
     def _line(self, line: str) -> None:
         if not line.strip():
+            return
+        if JVM_STACK_LINE.match(line):  # the provider's own error says what failed and what to do
+            self._logger.debug("%s", line)
             return
         found = JVM_LINE.match(line)
         if found:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from airflow_provider_horovod.runner import names
@@ -214,3 +215,21 @@ def attempt() -> int:
     same try (``max_restarts``: an executor or host was lost). A restarted attempt's ``resume_dir()``
     is the newest checkpoint version the driver committed; outside a rank, ``0``."""
     return _int(names.ENV_ATTEMPT, default=0)
+
+
+def preempting() -> bool:
+    """Whether Spark is decommissioning an executor of this attempt (a drained node, a reclaimed spot
+    instance, with ``spark.decommission.enabled``): the attempt is about to lose it. Rank 0 commits a
+    checkpoint now (``commit_checkpoint()``); the restart that follows waits for that version.
+    Ranks can learn it a step apart: agree on it through a collective before acting (the how-to's
+    recovery section). A ``stat`` per call; ``False`` outside a rank."""
+    from airflow_provider_horovod.runner.rank import preemption
+
+    return preemption.preempting()
+
+
+def on_preemption(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` once, from a thread of this rank, when ``preempting()`` turns true."""
+    from airflow_provider_horovod.runner.rank import preemption
+
+    preemption.on_preemption(callback)

@@ -26,10 +26,11 @@ class ChannelClient:
         connect_timeout: float = 3.0,
         on_lost: Callable[[], None] | None = None,
         on_stop: Callable[[], None] | None = None,
+        on_preempting: Callable[[], None] | None = None,
     ) -> None:
         """``on_lost`` is called (from a daemon thread) if the driver hangs up before ``close()``:
         the driver was cancelled or died, and whatever this client's process runs must stop.
-        ``on_stop`` is called when the driver sends ``stop``."""
+        ``on_stop`` is called when the driver sends ``stop``, ``on_preempting`` when it sends ``preempting``."""
         self._closing = False
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=10000)
         self._inbox: queue.Queue[messages.Message | None] = queue.Queue()
@@ -47,9 +48,9 @@ class ChannelClient:
             return
         self._thread = threading.Thread(target=self._loop, name="hvdrunner-channel-client", daemon=True)
         self._thread.start()
-        threading.Thread(target=self._watch, args=(self._conn, on_lost, on_stop), daemon=True).start()
+        threading.Thread(target=self._watch, args=(self._conn, on_lost, on_stop, on_preempting), daemon=True).start()
 
-    def _watch(self, conn: wire.ClientConnection, on_lost, on_stop) -> None:
+    def _watch(self, conn: wire.ClientConnection, on_lost, on_stop, on_preempting=None) -> None:
         """Orders from the driver go to the inbox; a hang-up before ``close()`` means cancel (or a dead driver)."""
         with contextlib.suppress(Exception):
             while True:
@@ -58,6 +59,8 @@ class ChannelClient:
                     self.stopped.set()
                     if on_stop is not None:
                         on_stop()
+                if isinstance(msg, messages.Preempting) and on_preempting is not None:
+                    on_preempting()
                 self._inbox.put(msg)
         self._inbox.put(None)
         if not self._closing and on_lost is not None:

@@ -301,6 +301,12 @@ class Stop(Message):
     """End your ranks now (a rank failed, or the run was cancelled)."""
 
 
+@message("preempting")
+@dataclasses.dataclass(frozen=True)
+class Preempting(Message):
+    """An executor of the attempt is being decommissioned: tell your ranks (``runtime.preempting()``)."""
+
+
 @message("release")
 @dataclasses.dataclass(frozen=True)
 class Release(Message):

@@ -118,7 +118,7 @@ def send_tree(conn, root: Path | None) -> int:
     over the file's pages and sent by the kernel (``wire.FramedConnection.send_file``)."""
     sent = count = 0
     root_fd = _tree_fd(root)
-    scratch = memoryview(bytearray(wire.PIECE))
+    scratch = wire.scratch()
     try:
         for rel, fd in (finished_files(root_fd) if root_fd is not None else ()):
             with os.fdopen(fd, "rb") as f:
@@ -151,7 +151,7 @@ def receive_tree(conn, dest: Path, limits: Limits = Limits()) -> list[dict[str, 
     received = []
     total = 0
     dest.mkdir(parents=True, exist_ok=True)
-    scratch = memoryview(bytearray(wire.PIECE))
+    scratch = wire.scratch()
     while True:
         raw = conn.recv()
         if StreamEnd.is_one(raw):

@@ -50,7 +50,9 @@ def stop_process_groups(procs: list[subprocess.Popen]) -> None:
 
 
 class StandaloneCluster:
-    def __init__(self, workdir: Path, workers: int = 2) -> None:
+    def __init__(self, workdir: Path, workers: int = 2, decommission: bool = False) -> None:
+        """``decommission``: ``spark.decommission.enabled`` on the workers (SIGPWR to a worker
+        decommissions it and its executors) and in ``app_conf()``."""
         self.workdir = workdir
         self.spark_home = Path(pyspark.__file__).parent
         self.port = free_port()
@@ -58,6 +60,7 @@ class StandaloneCluster:
         self.master = "spark://127.0.0.1:%d" % self.port
         self.procs: list[subprocess.Popen] = []
         self.n_workers = workers
+        self.decommission = decommission
         self.app_gpu_script = gpu_script(workdir / "gpus-app.sh", ["0", "1", "2", "3"])
 
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -72,28 +75,36 @@ class StandaloneCluster:
         self.procs.append(subprocess.Popen([str(self.spark_home / "bin" / "spark-class"), *args], env=env,
                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
-    def start(self, wait: bool = True) -> StandaloneCluster:
-        """Start the master and the workers; with ``wait=False`` return at once (``wait_for_workers()`` later)."""
+    def start(self, wait: bool = True, workers: int | None = None) -> StandaloneCluster:
+        """Start the master and the first ``workers`` workers (all by default; ``start_worker(i)`` the
+        rest later); with ``wait=False`` return at once (``wait_for_workers()`` later)."""
         self._start(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(self.port),
                      "--webui-port", str(self.ui_port)], "master", self._env())
-        for i in range(self.n_workers):
-            script = gpu_script(self.workdir / ("gpus-worker%d.sh" % i), [str(2 * i), str(2 * i + 1)])
-            opts = "-Dspark.worker.resource.gpu.amount=2 -Dspark.worker.resource.gpu.discoveryScript=%s" % script
-            work = self.workdir / ("work%d" % i)
-            work.mkdir()
-            self._start(["org.apache.spark.deploy.worker.Worker", self.master, "--host", "127.0.0.1", "--cores", "1",
-                         "--memory", "1g", "--webui-port", str(free_port()), "--work-dir", str(work)],
-                        "worker%d" % i, self._env({"SPARK_WORKER_OPTS": opts}))
+        for i in range(self.n_workers if workers is None else workers):
+            self.start_worker(i)
         if wait:
-            self.wait_for_workers()
+            self.wait_for_workers(self.n_workers if workers is None else workers)
         return self
 
-    def wait_for_workers(self, timeout: float = 90) -> None:
+    def start_worker(self, i: int) -> None:
+        """Worker ``i``: one core and GPUs ``2i`` and ``2i+1``."""
+        script = gpu_script(self.workdir / ("gpus-worker%d.sh" % i), [str(2 * i), str(2 * i + 1)])
+        opts = "-Dspark.worker.resource.gpu.amount=2 -Dspark.worker.resource.gpu.discoveryScript=%s" % script
+        if self.decommission:
+            opts += " -Dspark.decommission.enabled=true"
+        work = self.workdir / ("work%d" % i)
+        work.mkdir()
+        self._start(["org.apache.spark.deploy.worker.Worker", self.master, "--host", "127.0.0.1", "--cores", "1",
+                     "--memory", "1g", "--webui-port", str(free_port()), "--work-dir", str(work)],
+                    "worker%d" % i, self._env({"SPARK_WORKER_OPTS": opts}))
+
+    def wait_for_workers(self, workers: int | None = None, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
                 state = json.load(urllib.request.urlopen("http://127.0.0.1:%d/json/" % self.ui_port, timeout=2))
-                if sum(1 for w in state.get("workers", []) if w.get("state") == "ALIVE") >= self.n_workers:
+                alive = sum(1 for w in state.get("workers", []) if w.get("state") == "ALIVE")
+                if alive >= (self.n_workers if workers is None else workers):
                     return
             time.sleep(0.5)
         raise RuntimeError("standalone cluster did not come up; see logs in %s" % self.workdir)
@@ -113,6 +124,7 @@ class StandaloneCluster:
             "spark.executor.resource.gpu.discoveryScript": str(self.app_gpu_script),
             "spark.task.resource.gpu.amount": "1",
             "spark.ui.enabled": "false",
+            **({"spark.decommission.enabled": "true"} if self.decommission else {}),
         }
 
     def stop(self) -> None:

@@ -329,13 +329,14 @@ def uneven_batches_job(batches: int = 6, short_by: int = 2):
 
 
 def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horovod", loss: str = "",
-                    losses: int = 1, marker: str = ""):
+                    losses: int = 1, marker: str = "", victim: int = 1, with_dataset: bool = False):
     """Rank 0 commits ``step.txt`` each step with ``runtime.commit_checkpoint``; resumes after the step
-    in ``resume_dir()``. In each of the first ``losses`` attempts rank 1 loses its infrastructure
+    in ``resume_dir()``. In each of the first ``losses`` attempts rank ``victim`` loses its infrastructure
     after step 3: ``loss="task"`` kills its Spark task's Python worker (SIGKILL, from the rank: a
     signal the task did not send itself; gloo and torch, whose rank is the task's child); ``loss="jvm"`` writes the pid of the executor JVM hosting
     it to ``marker`` for the driver to kill, and that attempt then waits for the loss. ``collective``:
-    ``"horovod"`` (mpirun, gloo) or ``"torch"`` (launcher="torch"). Returns where it started."""
+    ``"horovod"`` (mpirun, gloo) or ``"torch"`` (launcher="torch"). Returns where it started (and,
+    ``with_dataset``, how many rows rank 0's shard of ``dataset=`` holds)."""
     import psutil
     import torch
 
@@ -367,16 +368,55 @@ def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horo
             runtime.commit_checkpoint(step=step)
         if doomed and step >= start + 3:
             time.sleep(0.5)  # the version of this step reaches the driver first
-            if rank == 1 and loss == "task":
+            if rank == victim and loss == "task":
                 os.kill(os.getppid(), signal.SIGKILL)  # gloo, torch: the rank's parent is its task
-            if rank == 1 and loss == "jvm":
+            if rank == victim and loss == "jvm":
                 java = next(p for p in psutil.Process().parents() if p.name() == "java")
                 with open(marker + ".tmp", "w") as f:
                     f.write(str(java.pid))
                 os.replace(marker + ".tmp", marker)
             time.sleep(600)  # the loss ends this attempt
         time.sleep(pause)
-    return {"start": start, "attempt": runtime.attempt(), "size": size}
+    result = {"start": start, "attempt": runtime.attempt(), "size": size}
+    if with_dataset:  # the rows of this rank's shard of the run's dataset=, split for this attempt's size
+        result["rows"] = runtime.dataset().num_rows
+    return result
+
+
+def preemptible_job(steps: int = 12, pause: float = 0.3, marker: str = "", with_dataset: bool = False):
+    """Rank 0 commits a version only when the ranks agree, through an allreduce, that the attempt is
+    being preempted (``runtime.preempting()``), then every rank waits for the loss. In attempt 0,
+    rank 1 writes its executor JVM's pid to ``marker`` after step 3 (for the driver to decommission
+    its worker and kill it later) and training goes on until the notice. Returns where it started,
+    the attempt and the size (``with_dataset``: and the rows of rank 0's shard)."""
+    import horovod.torch as hvd
+    import psutil
+    import torch
+
+    from airflow_provider_horovod import runtime
+
+    hvd.init()
+    resume = runtime.resume_dir()
+    step = int((resume / "step.txt").read_text()) + 1 if resume is not None else 0
+    start = step
+    while step < steps or runtime.attempt() == 0:  # attempt 0 trains until the notice
+        hvd.allreduce(torch.ones(1), name="step")
+        if hvd.allreduce(torch.tensor([float(runtime.preempting())]), name="notice", op=hvd.Max).item() > 0:
+            if hvd.rank() == 0:  # every rank stops after this step: the version holds every step done
+                (runtime.checkpoint_dir() / "step.txt").write_text(str(step))
+                runtime.commit_checkpoint(step=step)
+            time.sleep(600)  # the loss ends this attempt
+        if runtime.attempt() == 0 and step == 3 and hvd.rank() == 1:
+            java = next(p for p in psutil.Process().parents() if p.name() == "java")
+            with open(marker + ".tmp", "w") as f:
+                f.write(str(java.pid))
+            os.replace(marker + ".tmp", marker)
+        step += 1
+        time.sleep(pause)
+    result = {"start": start, "attempt": runtime.attempt(), "size": hvd.size()}
+    if with_dataset:
+        result["rows"] = runtime.dataset().num_rows
+    return result
 
 
 def saves_a_checkpoint_job():

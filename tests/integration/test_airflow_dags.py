@@ -262,22 +262,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_default_retry_policy_fails_a_raising_function_at_once_and_retries_too_few_slots(airflow):
-    proc = airflow.dags_test("hvd_test_retry_policy")
-    output = proc.stdout + proc.stderr
-    assert airflow.task_states("hvd_test_retry_policy") == {
-        "raises": ("failed", 1), "more_ranks_than_slots": ("failed", 2),
-    }, explain(proc)
-    assert ("Not retried (user code): the training function raised ValueError: the learning rate must be positive "
-            "in rank ") in output
-    assert "Retried after 0 s if retries are left (too few slots): np=4 needs 4 barrier slots, but the cluster has 2" in output
-    # the operator's start_timeout, not the engine's default of 120 s; a local master fails without waiting for it
-    assert "no executor can join a local master: waiting start_timeout=2s would not help" in output
-    run_id = airflow.last_run_id("hvd_test_retry_policy")
-    marker = json.loads((airflow.artifacts / "hvd_test_retry_policy" / run_id / "raises" / "try-1" / "_ARTIFACTS.json").read_text())
-    assert marker["error"]["retry"].startswith("Not retried (user code): ")  # what the Horovod view shows
-
-
 def test_artifact_limits_set_on_the_operator_reach_the_engine(airflow):
     proc = airflow.dags_test("hvd_test_limits")
     output = proc.stdout + proc.stderr

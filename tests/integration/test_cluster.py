@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from tests.integration import dataset_jobs
 from tests.integration.cluster import StandaloneCluster
 from tests.integration.scenarios.cluster_runs import DATASET_ROWS
+from tests.integration.scenarios.restart_runs import DATASET_ROWS as RESTART_DATASET_ROWS
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,18 +122,20 @@ def test_dataset_shards_are_spilled_by_each_executors_task_for_the_rank_beside_i
 def restart_runs(cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("restart-out")
     _run_module("tests.integration.scenarios.restart_runs", cluster.master, json.dumps(cluster.app_conf()), str(out),
-                "mpirun", "gloo", "torch")
+                "mpirun", "gloo", "torch", "mpirun/rank0", "gloo/rank0", "torch/rank0")
     return json.loads((out / "runs.json").read_text())
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "gloo", "torch"])
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo", "torch", "mpirun/rank0", "gloo/rank0", "torch/rank0"])
 def test_an_executor_killed_mid_training_costs_one_restart_of_the_same_run_from_the_newest_committed_version(
         restart_runs, launcher):
     got = restart_runs[launcher]
     lost, restarted = got["attempts"]
-    (kill,) = got["kills"]  # rank 1's executor JVM, SIGKILLed after rank 0 committed step 3 or later
+    (kill,) = got["kills"]  # rank 1's (/rank0: rank 0's) executor JVM, SIGKILLed after rank 0 committed step 3 or later
+    victim = 0 if launcher.endswith("/rank0") else 1
     assert (lost["ending"], restarted["ending"]) == ("lost", "success")
-    assert lost["cause"].startswith("The barrier task of partition 1 on host hvdhost1") and "died" in lost["cause"]
+    assert lost["cause"].startswith("The barrier task of partition %d on host hvdhost%d" % (victim, victim))
+    assert "died" in lost["cause"]
     assert restarted["resumed_from"]["step"] >= kill["newest_step"] >= 3  # nothing committed before the loss is lost
     assert got["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 2}
     assert 0 < restarted["restart_s"] < 30  # from the loss to the next attempt's ranks starting
@@ -138,8 +143,9 @@ def test_an_executor_killed_mid_training_costs_one_restart_of_the_same_run_from_
 
 @pytest.fixture(scope="module")
 def host_loss_run(tmp_path_factory):
-    """A cluster of its own: the worker hosting rank 1 is killed for good."""
-    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster-host-loss")).start()
+    """A cluster of its own, with decommission enabled: the worker hosting rank 1 is decommissioned,
+    then killed for good 10 s later."""
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster-host-loss"), decommission=True).start()
     try:
         out = tmp_path_factory.mktemp("host-loss-out")
         _run_module("tests.integration.scenarios.restart_runs", cluster.master, json.dumps(cluster.app_conf()), str(out),
@@ -149,11 +155,62 @@ def host_loss_run(tmp_path_factory):
     return json.loads((out / "runs.json").read_text())["gloo/host"]
 
 
-def test_a_host_gone_for_good_with_min_np_below_np_finishes_on_the_ranks_left(host_loss_run):
+def test_a_host_decommissioned_10_s_before_it_is_gone_loses_no_step_and_the_run_finishes_on_the_ranks_left(
+        host_loss_run):
     lost, restarted = host_loss_run["attempts"]
     assert (lost["np"], lost["ending"], restarted["np"], restarted["ending"]) == (2, "lost", 1, "success")
-    assert restarted["resumed_from"]["step"] >= host_loss_run["kills"][0]["newest_step"] >= 3
-    assert host_loss_run["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 1}
+    (notice,) = host_loss_run["notices"]  # the driver saw Spark decommission the executor and told every task
+    assert notice["executors"]
+    (kill,) = host_loss_run["kills"]
+    # rank 0 committed one version, after the step every rank agreed the notice came (step 3 or later: the
+    # decommission followed step 3); no rank stepped on, and the restart resumed from it: no step lost
+    assert [s for s in kill["committed"] if s is not None] == [restarted["resumed_from"]["step"]]
+    assert restarted["resumed_from"]["step"] >= 3
+    # dataset= follows the smaller restart: the one rank left reads every row (2 shards in attempt 0)
+    assert host_loss_run["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 1,
+                                       "rows": RESTART_DATASET_ROWS}
+
+
+LATE_S = 30  # the second worker starts this long after run() is called
+
+
+@pytest.fixture(scope="module")
+def late_executor_run(tmp_path_factory):
+    """A cluster of its own whose second worker (and so its executor) starts 30 s into an np=2 run
+    with start_timeout=60."""
+    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster-late")).start(workers=1)
+    out = tmp_path_factory.mktemp("late-out")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.scenarios.late_executor", cluster.master,
+                             json.dumps(cluster.app_conf()), str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "started").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (out / "started").exists(), proc.communicate(timeout=30)[0][-5000:]
+        time.sleep(max(0.0, float((out / "started").read_text()) + LATE_S - time.time()))
+        cluster.start_worker(1)
+        output = proc.communicate(timeout=180)[0]
+        assert proc.returncode == 0, output[-5000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cluster.stop()
+    return json.loads((out / "run.json").read_text())
+
+
+def test_an_executor_that_registers_30_s_late_within_start_timeout_joins_the_run_and_the_log_says_what_was_waited_for(
+        late_executor_run):
+    assert "error" not in late_executor_run, late_executor_run["error"]
+    ranks = late_executor_run["result"]["ranks"]
+    assert [r["cross_size"] for r in ranks] == [2, 2]  # the late executor is a host of its own
+    assert LATE_S < late_executor_run["run_s"] < 60
+    log = late_executor_run["log"]
+    assert any(re.match(r"Waiting up to start_timeout=60s for 2 barrier slots: the cluster has [01] now", line)
+               for line in log), log
+    waited = [line for line in log if line.startswith("The cluster has 2 barrier slots after waiting")]
+    assert waited and float(waited[0].split("waiting ")[1].split(" s")[0]) > LATE_S, log
 
 
 @pytest.fixture(scope="module")

@@ -249,14 +249,18 @@ def test_rank0s_host_lost_keeps_every_committed_version_and_the_retry_resumes_fr
     assert retry["leftovers"] == {}
 
 
-def test_a_lost_host_ends_the_run_naming_it_and_the_remaining_capacity_still_trains(netbed, bed_runs):
+def test_a_host_lost_mid_training_costs_one_restart_of_the_same_run_on_the_capacity_left(netbed, bed_runs):
     got = run_of(bed_runs, "host-lost")
-    assert got["killed"]["processes"] > 0
-    assert got["error_type"] == "HorovodRunError", got.get("message")
-    assert got["killed"]["host"] in got["message"]
-    assert got["kill_to_error_s"] <= 60
+    killed = got["killed"]
+    assert killed["processes"] > 0
+    assert "error_type" not in got, got.get("message")
+    lost, restarted = got["attempts"]
+    assert (lost["ending"], restarted["ending"]) == ("lost", "success")
+    assert killed["host"] in lost["cause"]  # the lost task's executor, on the host that died
+    assert restarted["resumed_from"]["step"] >= killed["newest_step"] >= 3
+    assert got["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 2}
+    first, second = got["plans"]
+    survivor = {h.address for h in netbed.workers} - {killed["host"]}
+    assert {slot["address"] for slot in first} == {h.address for h in netbed.workers}
+    assert {slot["address"] for slot in second} == survivor  # both ranks on the host left, its two slots
     assert got["leftovers"] == {} and not any(got["survivor_leftovers"].values())
-    after = got["next"]
-    assert "error_type" not in after, after.get("message")
-    assert after["result"]["sum"] == 3.0
-    assert {slot["address"] for slot in after["plan"]} == {h.address for h in netbed.workers} - {got["killed"]["host"]}

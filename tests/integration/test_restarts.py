@@ -4,6 +4,8 @@ executor JVM killed on a standalone cluster is in tests/integration/test_cluster
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -54,6 +56,56 @@ def test_a_cancel_during_a_restart_leaves_no_process(spark, tmp_path, no_leftove
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], RunCancelledError)
     assert [a["ending"] for a in runner.last_run.attempts] == ["lost", "cancelled"]
+
+
+class _TimedOut(BaseException):
+    """What Airflow's ``execution_timeout`` raises into the task's main thread (SIGALRM), wherever it is:
+    ``AirflowTaskTimeout``, a ``BaseException``."""
+
+
+def _airflow_handler(runner: HorovodRunner, signum: int):
+    """Airflow 3's handler of ``signum`` in a task process: SIGTERM (a cancel, "Mark failed") calls the
+    operator's ``on_kill`` and returns; SIGALRM (``execution_timeout``) raises."""
+    def on_signal(_signum, _frame):
+        if signum == signal.SIGTERM:
+            runner.cancel()
+        else:
+            raise _TimedOut("Timeout, PID: %d" % os.getpid())
+    return on_signal
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGALRM], ids=["sigterm", "execution_timeout"])
+def test_a_signal_arriving_in_the_main_thread_during_a_restart_leaves_no_process(spark, tmp_path, signum,
+                                                                                 no_leftover_processes):
+    runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=tmp_path, max_restarts=3)
+
+    def restarting() -> bool:
+        if signum == signal.SIGTERM:  # as soon as the restart began: wherever run() is in it
+            return len(runner.last_run.attempts) >= 2
+        # The timeout's error once the restarted attempt's ranks started (its supervisor loop): raised
+        # into a py4j call of the main thread instead, it would leave that thread's connection to the
+        # JVM out of step (py4j neither closes nor resets it on a BaseException) and break the shared
+        # session for the tests after this one. The engine then cancels, as at any point of a try.
+        attempt = runner._attempt
+        return attempt is not None and attempt.number == 1 and attempt.ranks_started_at is not None
+
+    def send_when_restarting():
+        deadline = time.monotonic() + 60
+        while not restarting() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signum)  # handled in the main thread
+
+    previous = signal.signal(signum, _airflow_handler(runner, signum))
+    sender = threading.Thread(target=send_when_restarting)
+    try:
+        sender.start()
+        with pytest.raises(RunCancelledError if signum == signal.SIGTERM else _TimedOut):
+            runner.run(jobs.restartable_job, loss="task", losses=3)
+    finally:
+        sender.join(60)
+        signal.signal(signum, previous)
+    assert [a["ending"] for a in runner.last_run.attempts] == ["lost", "cancelled"]
+    assert spark.range(3).count() == 3  # the shared session still answers
 
 
 def _run_into(errors: list[BaseException], runner: HorovodRunner, job, **kwargs) -> None:

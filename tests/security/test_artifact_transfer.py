@@ -184,7 +184,7 @@ def test_a_chunk_not_signed_with_the_key_fails_the_upload_and_leaves_no_file(tmp
         assert conn.recv()["mode"] == "stream"
         conn.send({"file": "checkpoints/epoch-1.pt", "size": 2 * len(body)})
         conn.send_bytes(body)
-        conn.sock.sendall(wire._HEADER.pack(len(body)) + bytes(wire.MAC_BYTES) + b"x" * len(body))
+        conn.sock.sendall(wire._HEADER.pack(len(body)) + bytes(wire.TAG_BYTES) + b"x" * len(body))
         conn.sock.settimeout(10)
         receipt = conn.recv()
     finally:

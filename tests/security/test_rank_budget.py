@@ -29,7 +29,7 @@ def channel():
 
 def test_a_rank_frame_longer_than_a_ranks_budget_is_refused_at_its_header(channel):
     conn = wire.connect(channel.address, RANK)
-    conn.sock.sendall(wire._HEADER.pack(8 << 20) + bytes(wire.MAC_BYTES))  # 8 MiB announced, no body sent
+    conn.sock.sendall(wire._HEADER.pack(8 << 20) + bytes(wire.TAG_BYTES))  # 8 MiB announced, no body sent
     assert hung_up(conn.sock, timeout=3)  # the review: 30 such frames of 8 MiB held +268 MB until the run ended
 
 

@@ -163,7 +163,7 @@ def test_the_client_refuses_a_server_replaying_an_earlier_connection():
     threading.Thread(target=relay_once, daemon=True).start()
     try:
         wire.connect(relay.getsockname(), TASK).close()
-        assert settle(lambda: len(recorded) >= wire.NONCE_BYTES + 4 + wire.MAC_BYTES)
+        assert settle(lambda: len(recorded) >= wire.NONCE_BYTES + 4 + wire.TAG_BYTES)
         replayer = wire.listen("127.0.0.1")
 
         def replay() -> None:

@@ -40,6 +40,7 @@ from airflow_provider_horovod.runner.dataset import DatasetSpec, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
 from airflow_provider_horovod.runner.driver import executors
 from airflow_provider_horovod.runner.driver.channel import Channel, RankOutput
+from airflow_provider_horovod.runner.driver.preemption import DecommissionWatch
 from airflow_provider_horovod.runner.driver.restarts import Ending, ending_of
 from airflow_provider_horovod.runner.driver.supervisor import (
     Action,
@@ -150,6 +151,10 @@ class Attempt:
         self.supervisor: Supervisor | None = None
         self.workers_python = "python3"  # what the executors were asked to run, for the error that names it
         self.slots: int | None = None
+        self.preempted_at: float | None = None  # when Spark began decommissioning an executor (monotonic)
+        self.versions_at_notice = 0  # how many versions the run had committed then
+        self.sink = sink
+        self._watch: DecommissionWatch | None = None
 
     def run(self) -> Any:
         """Plan, start, supervise and collect: rank 0's return value, or the error that says what happened."""
@@ -190,6 +195,8 @@ class Attempt:
         """The attempt's end: its channel closes (a task still running takes the hang-up as a cancel
         and kills its ranks); a Spark job it submitted that has not ended is interrupted, so a
         restart never runs beside the stage before it."""
+        if self._watch is not None:
+            self._watch.stop()
         self.channel.close()
         if self._job is not None and (self.supervisor is None or self.supervisor.job_ended is None):
             spark, tag = self._job
@@ -269,6 +276,7 @@ class Attempt:
                          now=time.monotonic())
         self._job = (spark, tag)
         _in_thread("hvdrunner-job-%s" % spec.run_id, collect, events)
+        self._watch = DecommissionWatch(spark, self._preempting)
 
         def act(action: Action) -> None:
             if isinstance(action, SendPlan):
@@ -422,6 +430,16 @@ class Attempt:
                         "start_timeout=%gs", self.number, size, self.np, self.runner.restarts.min_np, slots,
                         self.runner.start_timeout)
         return size
+
+    def _preempting(self, executors: list[str]) -> None:
+        """Spark is decommissioning ``executors``: every task tells its ranks (``runtime.preempting()``),
+        so rank 0 can commit a version before the loss; a restart waits ``preempt_grace_s`` for it."""
+        self.preempted_at = time.monotonic()
+        self.versions_at_notice = len(self.sink.committed) if self.sink is not None else 0
+        log.warning("Spark is decommissioning executor %s: every rank of attempt %d is told (runtime.preempting())",
+                    ", ".join(executors), self.number)
+        self.channel.record({"kind": "preempting", "executors": executors})
+        self.channel.send_tasks(messages.Preempting())
 
     def _ranks_started(self) -> None:
         self.ranks_started_at = time.monotonic()

@@ -197,6 +197,7 @@ class Channel:
         self._proofs: Path | None = None
         self.address: tuple[str, int] | None = None
         self.rejected = 0
+        self.unverified: list[str] = []  # why frames of keyed peers failed verification (altered on the way)
         self._refusals = wire.RefusalLog(lambda text: log.warning("Refused a connection to the driver's channel: %s", text))
         self.received: list[dict[str, Any]] = []  # the files rank 0's task handed over
         self.transport: str | None = None  # "copy" or "stream"
@@ -326,6 +327,8 @@ class Channel:
                 else:
                     self._handle(msg)
         except wire.AuthenticationError as err:
+            with self._lock:
+                self.unverified.append(str(err))
             self._rejected(err)
         except wire.ProtocolError as err:
             log.warning("Hung up on a %s that broke the channel's protocol: %s", conn.role, err)

@@ -240,13 +240,17 @@ class HorovodRunner:
                 return attempt.run()
             except BaseException as err:
                 record.cause = one_line(str(err).split("\n", 1)[0]) or type(err).__name__
+                if attempt.ending is None and not isinstance(err, Exception):  # execution_timeout, Ctrl-C: raised
+                    attempt.ending = Ending.CANCELLED  # into the restart, outside the supervisor's loop
                 record.ending = attempt.ending or Ending.FAILED
                 if not (attempt.ending and self.restarts.restarts(attempt.ending, number)):
                     self._name_attempts(err, report, record)
+                    _name_unverified(err, attempt.channel.unverified)
                     raise
                 if self._cancelled.is_set():
                     raise RunCancelledError("The Horovod job was cancelled while it restarted; every rank was stopped.") from err
                 lost_at = attempt.ended_at or time.monotonic()
+                self._await_preempted_version(attempt, sink)
                 resume, resumed = self._resume_point(sink, number + 1)
                 log.warning("Attempt %d of run %s lost its infrastructure (%s); restart %d of max_restarts=%d resumes "
                             "from %s", number, run_id, record.cause, number + 1, self.restarts.max_restarts,
@@ -281,6 +285,19 @@ class HorovodRunner:
         report.phases = attempt.marks
         if len(report.attempts) > 1 or record.ending != Ending.SUCCESS:
             log.info("Run %s, %s", report.run_id, record.describe())
+
+    def _await_preempted_version(self, attempt: Attempt, sink: VersionSink | None) -> None:
+        """After a decommission notice, the version rank 0 committed for it may still be on its way:
+        wait for it, ``preempt_grace_s`` from the notice at most, before resuming from the newest."""
+        if attempt.preempted_at is None or sink is None:
+            return
+        deadline = attempt.preempted_at + self.deadlines.preempt_grace_s
+        while (len(sink.committed) <= attempt.versions_at_notice and time.monotonic() < deadline
+               and not self._cancelled.is_set()):
+            time.sleep(0.05)
+        if len(sink.committed) <= attempt.versions_at_notice:
+            log.warning("No checkpoint version came within preempt_grace_s=%gs of the decommission notice; the restart "
+                        "resumes from the newest one before it", self.deadlines.preempt_grace_s)
 
     def _resume_point(self, sink: VersionSink | None, number: int) -> tuple[Path | None, dict[str, Any] | None]:
         """Where a restart resumes: the newest version the driver committed, hard-linked into a folder
@@ -380,3 +397,13 @@ class HorovodRunner:
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _name_unverified(err: BaseException, unverified: list[str]) -> None:
+    """The run's error also says when the driver's channel refused frames of keyed peers: something
+    between the executors and the driver altered, replayed, reordered or cut them."""
+    if not unverified or not isinstance(err, HorovodRunError) or not err.args:
+        return
+    err.args = ("%s\n\nThe driver's channel refused %d frame(s) from this run's own processes: %s. Something "
+                "between the executors and the driver changed the traffic (see docs/security.md)."
+                % (err.args[0], len(unverified), unverified[-1]), *err.args[1:])

@@ -42,6 +42,7 @@ from airflow_provider_horovod.runner.launchers import Services, launcher_of
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.network import LOOPBACK, Endpoint, endpoint_of, task_endpoint
 from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, Launcher
+from airflow_provider_horovod.runner.rank import preemption
 from airflow_provider_horovod.runner.plan import Plan, Slot, TaskFacts, make_plan
 from airflow_provider_horovod.runner.rank.keras_guard import LEGACY_KERAS_ENV
 from airflow_provider_horovod.runner.readiness import shm_of_this_host, shm_refusal
@@ -420,7 +421,8 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
     executor = ctx.getTaskInfos()[partition].address
     names.sweep_orphans()
     task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "p%d" % partition, os.getpid())))
-    client = ChannelClient(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), on_lost=lambda: abort_task(task), on_stop=procs.kill_all)
+    client = ChannelClient(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), on_lost=lambda: abort_task(task),
+                           on_stop=procs.kill_all, on_preempting=lambda: preemption.announce(task.path))
     if spec.channel is not None and not client.connected:
         shutil.rmtree(task.path, ignore_errors=True)
         raise TaskFailure(unreachable_driver(spec.channel, partition, executor, client.connect_error))

@@ -11,7 +11,6 @@ import pendulum
 from airflow.sdk import dag, task
 
 from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
-from airflow_provider_horovod.retry import HorovodRetryPolicy
 
 
 @dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False, params={"ranks": 2})
@@ -137,27 +136,8 @@ def hvd_test_limits():
     too_many_files()
 
 
-@dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False)
-def hvd_test_retry_policy():
-    """HorovodRetryPolicy, the default: a training function that raises is not retried although
-    retries=2; too few slots are retried (after the policy's delay of 0 s, not the task's 300 s).
-    Too few slots also fail after start_timeout (2 s, not the default 120 s)."""
-
-    @task.horovod(np=2, retries=2)
-    def raises():
-        raise ValueError("the learning rate must be positive")
-
-    @task.horovod(np=4, start_timeout=2, retries=1, retry_policy=HorovodRetryPolicy(slots_delay=0))
-    def more_ranks_than_slots():  # the embedded local[2] Spark has 2 barrier slots
-        return "never runs"
-
-    raises()
-    more_ranks_than_slots()
-
-
 hvd_test_tasks()
 hvd_test_retry()
-hvd_test_retry_policy()
 hvd_test_kill()
 hvd_test_bad_input()
 hvd_test_limits()

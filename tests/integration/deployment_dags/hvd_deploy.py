@@ -13,6 +13,8 @@ import pendulum
 
 from airflow.sdk import dag, task
 
+from airflow_provider_horovod.retry import HorovodRetryPolicy
+
 START = pendulum.datetime(2025, 1, 1, tz="UTC")
 STEP_FILE = "step.txt"
 # The timed-out task's execution_timeout. Its checkpoint came 30-70 s after the start on 2 cores (next to
@@ -118,6 +120,62 @@ def hvd_deploy_many():
     fit.partial(tag="{{ run_id }}").expand(lr=[0.1, 0.2])
 
 
+@dag(schedule=None, start_date=START, catchup=False, tags=["hvd-deployment-test"])
+def hvd_deploy_restart():
+    """Trains on the shared standalone cluster, committing a version every step; the test SIGKILLs the
+    executor JVM of rank 1 mid-training: the same try restarts the barrier stage from the newest
+    committed version (the operator's default max_restarts=2) and trains three more steps."""
+
+    @task.horovod(np=2, launcher="gloo", spark_conn_id="spark_shared", retries=1,
+                  retry_delay=datetime.timedelta(seconds=0))
+    def survive():
+        import time
+
+        import horovod.torch as hvd
+        import torch
+
+        from airflow_provider_horovod import runtime
+
+        hvd.init()
+        start = resumed_step() or 0
+        if hvd.rank() == 1 and runtime.attempt() == 0:  # for the test: the JVM to kill
+            import psutil
+
+            java = next(p for p in psutil.Process().parents() if p.name() == "java")
+            runtime.log_to_driver("rank 1 runs in the executor JVM %d" % java.pid)
+        for step in range(start + 1, 100000):
+            hvd.allreduce_(torch.zeros(1), name="step")
+            if hvd.rank() == 0:
+                (runtime.checkpoint_dir() / STEP_FILE).write_text(str(step))
+                runtime.commit_checkpoint(step=step)
+            runtime.report(step=step, loss=1.0 / step)
+            if runtime.attempt() > 0 and step >= start + 3:
+                return {"resumed_step": start, "attempt": runtime.attempt(), "size": hvd.size()}
+            time.sleep(0.3)
+
+    survive()
+
+
+@dag(schedule=None, start_date=START, catchup=False, tags=["hvd-deployment-test"])
+def hvd_deploy_retry_policy():
+    """HorovodRetryPolicy, the default: a training function that raises is not retried although
+    retries=2; too few slots are retried (after the policy's delay of 0 s, not the task's 300 s).
+    Too few slots also fail after start_timeout (2 s, not the default 120 s)."""
+
+    @task.horovod(np=2, retries=2)
+    def raises():
+        raise ValueError("the learning rate must be positive")
+
+    @task.horovod(np=4, start_timeout=2, retries=1, retry_policy=HorovodRetryPolicy(slots_delay=0))
+    def more_ranks_than_slots():  # the task's embedded local[2] Spark has 2 barrier slots
+        return "never runs"
+
+    raises()
+    more_ranks_than_slots()
+
+
 hvd_deploy_stop()
 hvd_deploy_crash()
 hvd_deploy_many()
+hvd_deploy_restart()
+hvd_deploy_retry_policy()

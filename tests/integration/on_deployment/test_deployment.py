@@ -286,6 +286,60 @@ def watch_the_live_view(deployment: Deployment, browser, tmp_path: Path, dag_id:
     assert save_screenshot(browser, tmp_path, "horovod-view-live.png").stat().st_size > 20_000
 
 
+def shared_cluster_ranks() -> list[psutil.Process]:
+    """This session's rank processes on the shared cluster's executors (no Airflow context: they are
+    not the task's children)."""
+    return [p for p in run_processes() if _ctx(p)[0] is None]
+
+
+def newest_step(folder: Path) -> int:
+    """The step of the newest version committed in a try folder (0 before the first)."""
+    versions = sorted(folder.glob("versions/*/_VERSION.json"), key=lambda m: int(m.parent.name))
+    return int((versions[-1].parent / "step.txt").read_text()) if versions else 0
+
+
+def test_an_executor_killed_mid_training_restarts_in_the_same_try_and_the_view_shows_both_attempts(
+        airflow_deployment: Deployment, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    api = airflow_deployment.api
+    dag_id = "hvd_deploy_restart"
+    api.wait_dags([dag_id])
+    run_id = api.trigger(dag_id)
+    folder = airflow_deployment.artifact_folder(dag_id, run_id, "survive", 1)
+    wait_until(lambda: newest_step(folder) >= 3, 180, "survive committed no version with step 3")
+    # the ranks run on the shared cluster's executors, outside the task's process tree: rank 1 names its JVM
+    wait_log(api, dag_id, run_id, "survive", 1, "rank 1 runs in the executor JVM ")
+    jvm = int(api.log(dag_id, run_id, "survive", 1).split("rank 1 runs in the executor JVM ")[1].split()[0])
+    executor = psutil.Process(jvm)
+    assert "CoarseGrainedExecutorBackend" in " ".join(executor.cmdline())
+    ranks = [p for p in shared_cluster_ranks() if executor in p.parents()]
+    assert ranks, "no rank process under the executor JVM %d" % jvm
+    killed_after = newest_step(folder)
+    executor.kill()
+
+    ti = api.wait_task(dag_id, run_id, "survive", ["success", "failed"], timeout=300)
+    log = api.log(dag_id, run_id, "survive", 1)
+    assert (ti["state"], ti["try_number"]) == ("success", 1), log[-3000:]  # no Airflow retry: the same try
+    result = api.xcom(dag_id, run_id, "survive")
+    assert result["attempt"] == 1 and result["size"] == 2 and result["resumed_step"] >= killed_after
+    attempts = api.xcom(dag_id, run_id, "survive", "horovod_attempts")
+    assert [a["ending"] for a in attempts] == ["lost", "success"], attempts
+    assert attempts[1]["resumed_from"]["step"] == result["resumed_step"]
+    assert "Attempt 1 of run" in log
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while shared_cluster_ranks() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert shared_cluster_ranks() == []
+
+    browser.get("%s/horovod/dags/%s/runs/%s/tasks/survive" % (airflow_deployment.base_url, dag_id, quote(run_id, safe="")))
+    rows = WebDriverWait(browser, BROWSER_WAIT_S).until(
+        lambda d: d.find_elements(By.CSS_SELECTOR, "#attempts tr td:first-child"))
+    assert [r.text for r in rows] == ["0", "1"]
+    assert "version" in browser.find_element(By.ID, "attempts").text
+
+
 def wait_until(ready, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -299,6 +353,38 @@ def _ctx(proc: psutil.Process) -> tuple[str | None, str | None, str | None]:
     except psutil.Error:
         return (None, None, None)
     return env.get("AIRFLOW_CTX_DAG_ID"), env.get("AIRFLOW_CTX_TASK_ID"), env.get("AIRFLOW_CTX_TRY_NUMBER")
+
+
+def test_the_default_retry_policy_fails_a_raising_function_after_one_try_and_retries_too_few_slots(
+        airflow_deployment: Deployment, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    api = airflow_deployment.api
+    dag_id = "hvd_deploy_retry_policy"
+    api.wait_dags([dag_id])
+    run_id = api.trigger(dag_id)
+    assert api.wait_run(dag_id, run_id, timeout=300) == "failed"
+    raises = api.task_instance(dag_id, run_id, "raises")
+    slots = api.task_instance(dag_id, run_id, "more_ranks_than_slots")
+    assert (raises["state"], raises["try_number"]) == ("failed", 1)  # although retries=2
+    assert (slots["state"], slots["try_number"]) == ("failed", 2)  # retries=1: retried once
+    log = api.log(dag_id, run_id, "raises", 1)
+    assert ("Not retried (user code): the training function raised ValueError: the learning rate must be positive "
+            "in rank ") in log, log[-3000:]
+    for try_number in (1, 2):
+        log = api.log(dag_id, run_id, "more_ranks_than_slots", try_number)
+        # the operator's start_timeout reaches the engine; a local master fails without waiting for it
+        assert "no executor can join a local master: waiting start_timeout=2s would not help" in log, log[-3000:]
+        assert ("Retried after 0 s if retries are left (too few slots): np=4 needs 4 barrier slots, but the cluster "
+                "has 2") in log
+    wait = WebDriverWait(browser, BROWSER_WAIT_S)
+    for task_id, why in [("raises", "Not retried (user code): the training function raised ValueError"),
+                         ("more_ranks_than_slots", "Retried after 0 s if retries are left (too few slots)")]:
+        browser.get("%s/horovod/dags/%s/runs/%s/tasks/%s" % (airflow_deployment.base_url, dag_id,
+                                                             quote(run_id, safe=""), task_id))
+        shown = wait.until(lambda d: d.find_elements(By.ID, "failure-retry"))
+        assert shown[0].text.startswith(why), shown[0].text
 
 
 def test_two_runs_at_once_and_a_mapped_task_on_one_spark_cluster_keep_their_artifacts_apart(airflow_deployment: Deployment):

@@ -1,10 +1,13 @@
 """The executor JVM hosting rank 1 is SIGKILLed mid-training on a standalone cluster; the same
 ``run()`` restarts from the newest committed version (its own SparkSession, in its own process).
 
-usage: python -m tests.integration.scenarios.restart_runs MASTER CONF_JSON OUT_DIR LAUNCHER[/host]...
+usage: python -m tests.integration.scenarios.restart_runs MASTER CONF_JSON OUT_DIR LAUNCHER[/host|/rank0]...
 
-``LAUNCHER/host``: the worker that started that executor is killed too (a host gone for good); the
-run has ``min_np=1`` and restarts on the one slot left.
+``LAUNCHER/host``: the worker that started that executor is decommissioned (SIGPWR; the cluster
+has ``spark.decommission.enabled``) ``NOTICE_S`` before it and the executor are killed (a host gone
+for good, with a preemption notice); the run has ``min_np=1`` and a ``dataset=`` of
+``DATASET_ROWS`` rows, trains ``jobs.preemptible_job`` and restarts on the one slot left. ``LAUNCHER/rank0``: the executor hosting
+rank 0 (partition 0: mpirun, Horovod's rendezvous or torch's store) is the one killed.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import threading
 import time
 from pathlib import Path
 
+DATASET_ROWS = 101
+NOTICE_S = 10.0
+
 
 def kill_when_told(marker: Path, committed: list[int], done: threading.Event, host: bool) -> list[dict]:
     """Start a thread that SIGKILLs the pid rank 1 writes to ``marker`` (its executor's JVM; with
-    ``host``, first the standalone worker that started it), each time it does; returns the kills
-    (pid, the newest step committed before)."""
+    ``host``, the standalone worker that started it is decommissioned ``NOTICE_S`` before, then
+    killed too), each time it does; returns the kills (pid, the newest step committed before)."""
     import psutil
 
     kills: list[dict] = []
@@ -32,9 +38,14 @@ def kill_when_told(marker: Path, committed: list[int], done: threading.Event, ho
             if marker.exists():
                 pid = int(marker.read_text())
                 marker.unlink()
-                kills.append({"pid": pid, "newest_step": max((s for s in committed if s is not None), default=None)})
+                worker = psutil.Process(pid).ppid()
                 if host:
-                    os.kill(psutil.Process(pid).ppid(), signal.SIGKILL)
+                    os.kill(worker, signal.SIGPWR)
+                    time.sleep(NOTICE_S)
+                kills.append({"pid": pid, "newest_step": max((s for s in committed if s is not None), default=None),
+                              "committed": list(committed)})
+                if host:
+                    os.kill(worker, signal.SIGKILL)
                 os.kill(pid, signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -52,21 +63,27 @@ def main() -> None:
     results = {}
     try:
         for name in launchers:
-            launcher, host = name.split("/")[0], name.endswith("/host")
+            launcher, host, victim = name.split("/")[0], name.endswith("/host"), 0 if name.endswith("/rank0") else 1
+            folder = name.replace("/", "-")
             committed: list[int] = []
             done = threading.Event()
-            marker = out / ("jvm-%s" % launcher)
+            marker = out / ("jvm-%s" % folder)
             kills = kill_when_told(marker, committed, done, host)
-            runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=out / launcher, max_restarts=1,
+            runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=out / folder, max_restarts=1,
                                    min_np=1 if host else None, start_timeout=10 if host else 60,
+                                   dataset=spark.range(DATASET_ROWS) if host else None,
                                    on_checkpoint=lambda version, _path: committed.append(version.step))
             began = time.monotonic()
             try:
-                result = runner.run(jobs.restartable_job, loss="jvm", marker=str(marker),
-                                    collective="torch" if launcher == "torch" else "horovod")
+                if host:
+                    result = runner.run(jobs.preemptible_job, marker=str(marker), with_dataset=True)
+                else:
+                    result = runner.run(jobs.restartable_job, loss="jvm", marker=str(marker), victim=victim,
+                                        collective="torch" if launcher == "torch" else "horovod")
             finally:
                 done.set()
             results[name] = {"result": result, "kills": kills, "attempts": runner.last_run.attempts,
+                             "notices": [e for e in runner.last_run.events if e.get("kind") == "preempting"],
                                  "seconds": time.monotonic() - began}
     finally:
         spark.stop()

@@ -203,7 +203,7 @@ def test_a_chunk_that_fails_verification_fails_the_transfer_and_leaves_no_file(t
         client.send({"file": "a.pt", "size": 2 * len(body)})
         client.send_bytes(body)  # a genuine first chunk: written to the partial file
         with contextlib.suppress(OSError):  # the second, with a tag not made with the key
-            client.sock.sendall(wire._HEADER.pack(len(body)) + bytes(wire.MAC_BYTES) + body)
+            client.sock.sendall(wire._HEADER.pack(len(body)) + bytes(wire.TAG_BYTES) + body)
 
     sender = threading.Thread(target=send)
     sender.start()

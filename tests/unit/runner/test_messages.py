@@ -37,6 +37,7 @@ CHANNEL_MESSAGES = [
     messages.Start(),
     messages.Stop(),
     messages.Release(),
+    messages.Preempting(),
     messages.Report(time=12.5, step=3, total_steps=10, metrics={"loss": 0.5}, rank=0),
 ]
 TRANSFER_MESSAGES = [

@@ -518,6 +518,9 @@ def checkpoint_at(uri: str, *, roots: list[str]) -> Any:
             "Cannot resume from %s: it is outside the artifact root (%s), and whatever resume names is "
             "copied to every executor. Resume from a checkpoint under the artifact root, or list its root "
             "in [horovod] resume_extra_roots." % (path, ", ".join(roots)))
+    if not path.exists():
+        raise ArtifactError("Cannot resume from %s: it does not exist. Check the path (a try folder, its "
+                            "checkpoints/ or a version) against the artifact root %s." % (path, roots[0]))
     if _try_number(path) is not None:
         found = newest_checkpoint(path)
         if found is None:

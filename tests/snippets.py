@@ -9,6 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 HOW_TO = REPO / "docs" / "how-to.md"
+MIGRATING = REPO / "docs" / "migrating.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
 SECTION = re.compile(r"^## (.+)$", re.M)
 

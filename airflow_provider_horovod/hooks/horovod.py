@@ -61,6 +61,9 @@ EXTRA_TO_CONF = {
 }
 
 
+_CREATED: dict[str, Any] = {}  # the classic SparkSession a hook of this process created last, and its conf
+
+
 class SparkConnectionError(ValueError):
     """An Airflow Spark connection cannot give a SparkSession for Horovod; the message says how to fix it."""
 
@@ -227,14 +230,36 @@ class HorovodRunnerHook(BaseHook):
             builder = builder.remote(target.remote)
             self._owns_session = True
         else:
-            active = SparkSession.getActiveSession()
+            active = self._active_session({**conf, "spark.master": str(target.master)})
             self._owns_session = active is None
             builder = builder.master(target.master)
         self.log.info("Starting a SparkSession on %s (connection %r)", target.where, target.conn_id)
         if not target.remote and active is None:
             start_jvm({**conf, "spark.master": target.master, "spark.app.name": self.app_name}, JVM_LOG)
         self._session = builder.getOrCreate()
+        if not target.remote and active is None:
+            _CREATED.update(session=self._session, conf={**conf, "spark.master": str(target.master)})
         return self._session
+
+    def _active_session(self, wanted: dict[str, str]) -> Any:
+        """The process's active classic SparkSession, to reuse; ``None`` when there is none, or when a
+        hook of this process created it (an earlier task under ``airflow dags test``) with other Spark
+        conf than this task's: that session is stopped, so this task's conf takes effect (Spark's
+        ``getOrCreate`` would keep the first task's SparkContext and drop every other setting)."""
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is None or active is not _CREATED.get("session"):
+            return active  # the user's own session (a notebook, a test): theirs to configure
+        created = _CREATED["conf"]
+        differ = sorted(k for k in set(wanted) | set(created) if wanted.get(k) != created.get(k))
+        if not differ:
+            return active
+        self.log.info("The SparkSession an earlier task of this process started has other Spark conf (%s): "
+                      "stopping it and starting this task's own.", ", ".join(differ))
+        active.stop()
+        _CREATED.clear()
+        return None
 
     def stop_session(self) -> None:
         """Stop the SparkSession if this hook started it."""
@@ -404,6 +429,9 @@ class HorovodRunnerHook(BaseHook):
 JVM_LOG = logging.getLogger("airflow_provider_horovod.spark")
 # log4j's default layout in Spark: "25/12/03 04:10:11 WARN NativeCodeLoader: Unable to load ..."
 JVM_LINE = re.compile(r"^\d\d/\d\d/\d\d \d\d:\d\d:\d\d (TRACE|DEBUG|INFO|WARN|ERROR|FATAL) ")
+# a Java stack trace's lines: its exception ("org.apache.spark.SparkException: ..."), frames, causes
+JVM_STACK_LINE = re.compile(r"^(\s+at |\s*\.\.\. \d+ (more|common frames omitted)|Caused by: |\s+Suppressed: |"
+                            r"([a-z_$][\w$]*\.)+[A-Z][\w$]*(Exception|Error|Throwable)(: |$))")
 JVM_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
               "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
 
@@ -479,8 +507,9 @@ def _escaped_property(text: str) -> str:
 class _JvmLines(threading.Thread):
     """Follows the JVM's output file and logs each line at its log4j level.
 
-    Lines without a level (banners, stack-trace lines) take the level of the line before them, INFO
-    at first.
+    Java stack traces (exception, frames, causes) go to DEBUG: under a failed run the provider's own
+    error says what happened in one line, and 75-100 lines of Spark's frames would bury it. Other
+    lines without a level (banners) take the level of the line before them, INFO at first.
     """
 
     POLL_S = 0.2
@@ -504,6 +533,9 @@ class _JvmLines(threading.Thread):
 
     def _line(self, line: str) -> None:
         if not line.strip():
+            return
+        if JVM_STACK_LINE.match(line):  # the provider's own error says what failed and what to do
+            self._logger.debug("%s", line)
             return
         found = JVM_LINE.match(line)
         if found:

@@ -47,6 +47,7 @@ METADATA_XCOM_PREFIX = "horovod_"
 # How long the try's end waits for the last checkpoint upload before its final marker says it did not make it
 UPLOAD_DRAIN_S = 300.0
 SMALL_RESULT_CHARS = 4096  # a result up to this size (as JSON) goes into the asset event extra
+NO_CHECKPOINT = "none: rank 0 left runtime.checkpoint_dir() empty"
 
 
 class HorovodRunnerOperator(BaseOperator):
@@ -461,7 +462,7 @@ class HorovodRunnerOperator(BaseOperator):
             _ranks_text(xcom["np"]), xcom["launcher"],
             "%.1f" % duration if isinstance(duration, (int, float)) else "?",
             resumed_from.describe() if resumed_from is not None else "nothing (a fresh start)",
-            xcom["artifacts_uri"], xcom["checkpoint_uri"] or "none", xcom["timeline_uri"] or "none",
+            xcom["artifacts_uri"], xcom["checkpoint_uri"] or NO_CHECKPOINT, xcom["timeline_uri"] or "none",
         )
         if len(report.attempts) > 1:
             self.log.info("Horovod attempts in this try (restarts after lost infrastructure): %s",
@@ -470,6 +471,11 @@ class HorovodRunnerOperator(BaseOperator):
         if versions:
             self.log.info("Checkpoint versions committed during this try: %s",
                           ", ".join("%d (step %s)" % (v["seq"], v["step"]) for v in versions))
+
+        if not xcom["checkpoint_uri"] and status == store.TryStatus.SUCCESS:
+            self.log.warning("This try kept no checkpoint: rank 0 left runtime.checkpoint_dir() empty, so a retry starts "
+                             "from scratch and checkpoint_uri is None for later tasks. Save under "
+                             "runtime.checkpoint_dir() (files saved anywhere else do not come back).")
 
     def _emit_asset_events(self, context: Context, xcom: dict[str, Any]) -> None:
         extra = {k: xcom[k] for k in ("checkpoint_uri", "timeline_uri", "try_number", "artifacts_uri", "metrics")}

@@ -120,6 +120,23 @@ def require_training_stack(launcher: Launcher) -> HorovodBuild | None:
     return build
 
 
+TENSORFLOW_INSTALL_HINT = "pip install 'airflow-provider-horovod[tensorflow]' then airflow-horovod build --with tensorflow"
+TENSORFLOW_MODULES = ("tensorflow", "tf_keras", "keras", "horovod.tensorflow", "horovod.keras")
+
+
+def require_framework(build: HorovodBuild | None, modules: set[str], what: str) -> None:
+    """``TrainingStackError`` with the install command when ``what`` (the training function) uses
+    TensorFlow or Keras and the driver's Horovod was built without it: every rank's import of
+    ``horovod.tensorflow`` would fail later with Horovod's own "reinstall" message."""
+    if build is None:
+        return  # launcher="torch": Horovod is not used
+    used = sorted(m for m in modules if any(m == t or m.startswith(t + ".") for t in TENSORFLOW_MODULES))
+    if used and not any(f.startswith("tensorflow ") for f in build.frameworks):
+        raise TrainingStackError("%s uses %s, but the Horovod in %s was built without TensorFlow (%s). Install the "
+                                 "TensorFlow stack and rebuild Horovod with it: %s." % (
+                                     what, ", ".join(used), sys.executable, build.describe(), TENSORFLOW_INSTALL_HINT))
+
+
 def _distribution_version(name: str) -> str:
     try:
         return importlib.metadata.version(name)

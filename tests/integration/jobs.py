@@ -459,3 +459,13 @@ def stalling_job(collective: str = "horovod", how: str = "sleep", marker: str = 
         collective(torch.ones(4))
         time.sleep(0.05)
     return step
+
+
+def saves_a_checkpoint_job():
+    """Rank 0 saves two files in runtime.checkpoint_dir() and returns the rank count."""
+    from airflow_provider_horovod import runtime
+
+    if runtime.rank() == 0:
+        (runtime.checkpoint_dir() / "model.pt").write_bytes(b"weights")
+        (runtime.checkpoint_dir() / "optimizer.pt").write_bytes(b"state")
+    return runtime.size()

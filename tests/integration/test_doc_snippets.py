@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.snippets import HOW_TO, README, blocks, section_code
+from tests.snippets import HOW_TO, MIGRATING, README, blocks, section_code
 
 pytestmark = pytest.mark.slow
 
@@ -45,3 +45,11 @@ print("CHECKED")
 """
     out = _run_script(tmp_path, train + "\n" + engine + checks)
     assert "CHECKED" in out
+
+
+def test_the_migration_pages_mnist_notebook_runs_with_only_the_import_changed(tmp_path):
+    """np < 0 with log_callback_only, as sparkdl's local mode: every rank's prints still show."""
+    notebook = blocks(MIGRATING, "python")[0].code
+    assert "from sparkdl import HorovodRunner" in notebook  # the line it replaces, said beside it
+    out = _run_script(tmp_path, notebook + "\nassert isinstance(loss, float), loss\nprint('CHECKED')\n")
+    assert "CHECKED" in out and "[rank 0] epoch 1 loss" in out and "[rank 1] epoch 1 loss" in out

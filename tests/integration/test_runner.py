@@ -187,8 +187,8 @@ LOGGING_SETUPS = {
 @pytest.mark.parametrize(("setup", "verbosity", "stdout_lines", "stderr_lines", "absent"), [
     ("none", "all", ["[rank 0] plain print from rank 0", "[rank 1] callback from rank 1"], [], []),
     ("basicConfig", "all", ["[rank 0] plain print from rank 0", "[rank 1] callback from rank 1"], [], []),
-    ("basicConfig", "log_callback_only", ["[rank 0] callback from rank 0", "[rank 1] callback from rank 1"], [],
-     ["plain print"]),
+    # np < 0: every rank's output whatever driver_log_verbosity says (as sparkdl's local mode)
+    ("basicConfig", "log_callback_only", ["[rank 0] plain print from rank 0", "[rank 1] callback from rank 1"], [], []),
     ("basicConfig_info", "all", [], ["INFO:airflow_provider_horovod.ranks:[rank 0] plain print from rank 0",
                                      "INFO:airflow_provider_horovod.ranks:[rank 1] callback from rank 1"], []),
     ("ranks_silenced", "all", [], [], ["plain print", "callback from"]),
@@ -227,6 +227,14 @@ def test_unpicklable_return_value_fails_in_the_rank_saying_what_to_return_instea
     assert (tmp_path / "run" / "checkpoints" / "model.pt").read_bytes() == b"weights"  # the training is not lost
 
 
+def test_an_engine_run_without_artifact_dir_warns_naming_the_checkpoints_it_discards(spark, caplog, capfd):
+    with caplog.at_level(logging.INFO):
+        assert HorovodRunner(2, launcher="gloo", spark=spark).run(jobs.saves_a_checkpoint_job) == 2
+    said = caplog.text + "".join(capfd.readouterr())
+    assert ("WARNING: rank 0 saved model.pt, optimizer.pt in runtime.checkpoint_dir(), and this run has no "
+            "artifact_dir: they are deleted with the task's folder now. Pass artifact_dir=") in said
+
+
 def test_unpicklable_kwarg_fails_before_any_spark_job(spark):
     tracker = spark.sparkContext.statusTracker()
     jobs_before = set(tracker.getJobIdsForGroup())
@@ -250,10 +258,10 @@ def test_reference_string_runs_and_a_bad_one_fails_early(spark):
         HorovodRunner(2, spark=spark).run("tests.integration.nope:train")
 
 
-def test_np_larger_than_the_slots_fails_within_start_timeout_naming_the_slots(spark):
-    started = time.monotonic()
-    with pytest.raises(HorovodRunError, match="the cluster has 2"):
-        HorovodRunner(3, spark=spark, start_timeout=1).run(jobs.allreduce_job)
+def test_np_larger_than_a_local_masters_cores_fails_at_once_naming_the_slots(spark):
+    started = time.monotonic()  # a local master never gains slots: no waiting for start_timeout
+    with pytest.raises(HorovodRunError, match=r"the cluster has 2 \(the master local\[2\]\), and no executor can join"):
+        HorovodRunner(3, spark=spark, start_timeout=120).run(jobs.allreduce_job)
     assert time.monotonic() - started < 15
 
 
@@ -473,7 +481,8 @@ def test_executor_without_the_package_fails_with_one_line_naming_host_interprete
 
 
 def test_hook_session_on_a_local_master_gives_the_executors_the_driver_interpreter(tmp_path):
-    """No PYSPARK_PYTHON anywhere: the executors would run ``python3`` from the PATH, which lacks the package."""
+    """No PYSPARK_PYTHON anywhere: the executors would run ``python3`` from the PATH, which lacks the package.
+    And the next task of the process with other Spark conf gets a session with its own conf."""
     import json
     import os
     import subprocess
@@ -487,7 +496,9 @@ def test_hook_session_on_a_local_master_gives_the_executors_the_driver_interpret
     proc = subprocess.run([sys.executable, str(scenario), "spark_local", str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert json.loads(out.read_text()) == {"rank_python": sys.executable, "conf": sys.executable}
+    assert json.loads(out.read_text()) == {"rank_python": sys.executable, "conf": sys.executable, "next_task": {
+        "fresh": True, "first_stopped": True, "conf": "7", "reused_when_the_same": True}}
+    assert "has other Spark conf (spark.task.maxFailures): stopping it and starting this task's own" in proc.stderr + proc.stdout
 
 
 

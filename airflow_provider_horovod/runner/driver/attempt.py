@@ -94,6 +94,26 @@ def _in_thread(name: str, work: Callable[[], Any], events: queue.Queue) -> threa
     return thread
 
 
+def verbosity(runner: HorovodRunner) -> str:
+    """The run's ``driver_log_verbosity``; with ``np < 0`` always ``"all"``: local processes show every
+    rank's output whatever it says, as sparkdl's HorovodRunner sends local-mode output to the cell."""
+    return "all" if runner.np < 0 else runner.driver_log_verbosity
+
+
+def fixed_slots(master: str | None) -> bool:
+    """Whether a master's barrier slots can never grow: a local master (``local``, ``local[N]``,
+    ``local[*]``, ``local[N,F]``) runs its tasks in the driver's JVM, where no executor joins."""
+    return bool(master) and re.fullmatch(r"local(\[[^\]]*\])?", str(master).strip()) is not None
+
+
+def _master(spark: Any) -> str | None:
+    with contextlib.suppress(Exception):
+        return spark.sparkContext.master
+    with contextlib.suppress(Exception):
+        return spark.conf.get("spark.master", None)
+    return None
+
+
 def checked_plan(driver_python: str, driver_stack: dict[str, str], facts: list[TaskFacts]) -> Plan:
     """The driver's planner: the plan of ``facts``, or ``PlanError`` when ``check_facts`` refuses them;
     a host that is short of something its ranks may need is a warning in the log (``readiness``)."""
@@ -128,7 +148,7 @@ class Attempt:
         self.channel = Channel(self.secret, run_id=self.run_id, on_event=self.events.put, artifact_staging=staging,
                                resume_root=self.resume_from, limits=runner.artifact_limits, versions=sink,
                                on_report=runner.on_report,
-                               output=RankOutput(stream_all=runner.driver_log_verbosity == "all"))
+                               output=RankOutput(stream_all=verbosity(runner) == "all"))
         self.supervisor: Supervisor | None = None
         self.workers_python = "python3"  # what the executors were asked to run, for the error that names it
         self.slots: int | None = None
@@ -191,7 +211,7 @@ class Attempt:
             secret=secret,
             payload=payload,
             launcher=self.runner.launcher,
-            verbosity=self.runner.driver_log_verbosity,
+            verbosity=verbosity(self.runner),
             channel=channel,
             env=self.runner.env,
             driver_python=platform.python_version(),
@@ -369,6 +389,13 @@ class Attempt:
         self.slots = self._available_slots(spark)
         if self.slots is None or self.slots >= self.np:
             return
+        master = _master(spark)
+        if fixed_slots(master):
+            raise InsufficientSlotsError(
+                "np=%d needs %d barrier slots, but the cluster has %d (the master %s), and no executor can join a "
+                "local master: waiting start_timeout=%gs would not help. Lower np to %d or less, or give the master "
+                "more cores (local[%d], in the connection's host or the session's master)." % (
+                    self.np, self.np, self.slots, master, self.runner.start_timeout, self.slots, self.np))
         log.info("Waiting up to start_timeout=%gs for %d barrier slots: the cluster has %d now (executors still "
                  "registering, or slots other jobs hold)", self.runner.start_timeout, self.np, self.slots)
         started = time.monotonic()
@@ -472,18 +499,27 @@ class Attempt:
         failure = parse_failure(text)
         if failure is not None:
             return self._error(failure, channel)
-        if "PYTHON_VERSION_MISMATCH" in text or "different version" in text:
-            found = re.search(r"different version \(?([\d, .]+)\)? than that in driver ([\d.]+)", text)
-            executor = found.group(1).replace(", ", ".").strip() if found else "another version"
-            return ExecutorMismatchError(
-                "Python %s on the executors differs from the driver's %s. Point PYSPARK_PYTHON (or "
-                "spark.pyspark.python) at the same Python version on the driver and the executors."
-                % (executor, platform.python_version())
-            )
+        mismatch = python_mismatch_text(text, platform.python_version())
+        if mismatch is not None:
+            return ExecutorMismatchError(mismatch)
         missing = executors.missing_module_text(text, self.workers_python, executors.needed_modules(self.runner.launcher.runs_horovod))
         if missing is not None:
             return ExecutorMismatchError(missing)
         return HorovodRunError("The Spark job running the Horovod ranks failed:\n%s" % quoted_text(str(err).strip()[:4000]))
+
+
+def python_mismatch_text(text: str, driver: str) -> str | None:
+    """Spark's error for executors whose Python differs from the driver's, in our words with the
+    executor's version and host (PySpark 3: ``different version (3, 10) than that in driver 3.11``;
+    PySpark 4: ``different version: 3.10 than that in driver: 3.11``); ``None`` for any other error."""
+    if "PYTHON_VERSION_MISMATCH" not in text and "different version" not in text:
+        return None
+    found = re.search(r"different version:? \(?([\d][\d, .]*?)\)? than that in driver", text)
+    executor = found.group(1).replace(", ", ".").strip() if found else "of another version"
+    host = re.search(r"\(TID \d+\) \(([^ ()]+) executor ([^ ()]+)\)", text)
+    where = " (host %s, executor %s)" % host.groups() if host else ""
+    return ("Python %s on the executors%s differs from the driver's %s. Point PYSPARK_PYTHON (or "
+            "spark.pyspark.python) at the same Python version on the driver and the executors." % (executor, where, driver))
 
 
 def run_error(failure: Failure, tails: dict[int, list[str]], others: list[Failure] = (), *, launcher: str,

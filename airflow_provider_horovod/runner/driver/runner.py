@@ -24,7 +24,7 @@ from airflow_provider_horovod.runner.driver import executors
 from airflow_provider_horovod.runner.driver.attempt import Attempt
 from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.driver.supervisor import Deadlines, Upload
-from airflow_provider_horovod.runner.environment import require_training_stack
+from airflow_provider_horovod.runner.environment import require_framework, require_training_stack
 from airflow_provider_horovod.runner.events import RunReport, RunStatus
 from airflow_provider_horovod.runner.messages import Report
 from airflow_provider_horovod.runner.driver.restarts import (
@@ -41,7 +41,7 @@ from airflow_provider_horovod.runner.options import (
     check_options,
     check_restarts,
 )
-from airflow_provider_horovod.runner.payload import build_payload, describe
+from airflow_provider_horovod.runner.payload import build_payload, describe, resolve_callable, used_modules
 from airflow_provider_horovod.runner.stall import whole_seconds
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, Version, VersionSink, check_keep
 from airflow_provider_horovod.runner.versions import committed as committed_versions
@@ -70,7 +70,8 @@ class HorovodRunner:
         ``WORLD_SIZE``, ``LOCAL_RANK``, ...), so unmodified DDP, FSDP or ``accelerate`` code runs; it
         needs torch and no Horovod (``timeline`` is Horovod's: not under torch).
     :param driver_log_verbosity: ``"all"`` streams every rank's output to the driver;
-        ``"log_callback_only"`` streams only ``runtime.log_to_driver`` messages. The lines go to the
+        ``"log_callback_only"`` streams only ``runtime.log_to_driver`` messages (with ``np < 0``, every
+        rank's output is shown whatever this says, as in sparkdl's local mode). The lines go to the
         ``airflow_provider_horovod.ranks`` logger when logging is configured, else to stdout.
     :param spark: the SparkSession to use; else the active one; else ``getOrCreate()``.
     :param env: extra environment variables for every rank process.
@@ -148,7 +149,8 @@ class HorovodRunner:
             raise ValueError("dataset= needs np > 0: the dataset reaches the ranks through the barrier stage, and "
                              "np < 0 runs no Spark job. Use np > 0 (local[N] Spark runs on this machine too).")
         if resume_from is not None and not Path(resume_from).is_dir():
-            raise ValueError("resume_from must be an existing folder; %s is not" % (resume_from,))
+            raise ValueError("resume_from=%s %s: give the checkpoint folder to resume from" % (
+                resume_from, "is not a folder" if Path(resume_from).exists() else "does not exist"))
         self.artifact_limits = Limits(max_bytes=max_artifact_bytes, max_files=max_artifact_files)
         self.keep_checkpoints = check_keep(keep_checkpoints)
         self.on_checkpoint = on_checkpoint
@@ -175,8 +177,9 @@ class HorovodRunner:
     # -- public ---------------------------------------------------------------------------------
     def run(self, main: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
         """Run ``main(*args, **kwargs)`` on every rank and return rank 0's return value."""
-        require_training_stack(self.launcher)  # before Spark starts: a light install fails here, naming the fix
+        build = require_training_stack(self.launcher)  # before Spark starts: a light install fails here, naming the fix
         payload = build_payload(main, args, kwargs)
+        require_framework(build, used_modules(resolve_callable(main)).names(), describe(main))
         artifact_dir = self.artifact_dir and check_writable(self.artifact_dir)
         if self.timeline and artifact_dir is None:
             raise ValueError("timeline=True needs an artifact_dir to bring the timeline back to")

@@ -80,13 +80,23 @@ class Shard:
                 yield _gathered(table, order, start, stop)
 
     def to_torch(self, batch_size: int, columns: Sequence[str] | None = None, shuffle: bool = False, seed: int = 0,
-                 drop_last: bool = False) -> Iterator[dict[str, Any]]:
+                 drop_last: bool = False, dtype: Any = None) -> Iterator[dict[str, Any]]:
         """The batches of ``iter_batches`` as dicts of ``torch.Tensor`` (column name -> tensor of
-        ``batch_size`` rows; an array column gives ``[batch_size, length]``)."""
+        ``batch_size`` rows; an array column gives ``[batch_size, length]``). Each tensor has its
+        column's own type (Arrow double -> ``torch.float64``, float -> ``float32``, bigint ->
+        ``int64``, boolean -> ``bool``) unless ``dtype`` says otherwise.
+
+        :param dtype: a ``torch.dtype`` every floating-point column is converted to (``torch.float32``
+            for ``nn.Linear`` on a Parquet double column; integer and boolean columns, labels, stay), or
+            a dict column name -> ``torch.dtype`` for those columns only.
+        """
         import torch
 
+        wanted = _dtypes(torch, dtype, self.schema.names if columns is None else list(columns))
         for batch in self.iter_batches(batch_size, columns, shuffle, seed, drop_last):
-            yield {name: torch.from_numpy(_numpy(column)) for name, column in zip(batch.schema.names, batch.columns)}
+            tensors = {name: torch.from_numpy(_numpy(column)) for name, column in zip(batch.schema.names, batch.columns)}
+            yield {name: _converted(tensor, wanted.get(name) if isinstance(dtype, dict) else dtype, isinstance(dtype, dict))
+                   for name, tensor in tensors.items()}
 
     def to_tf(self, batch_size: int, features: str | Sequence[str] | None = None, label: str | None = None,
               shuffle: bool = False, seed: int = 0, drop_last: bool = False) -> Any:
@@ -119,6 +129,29 @@ class Shard:
     def __repr__(self) -> str:
         return "Shard(%d of %d rows in %d shards, %s, %s)" % (self.num_rows, self.total_rows, self.shards,
                                                               self.remainder, self.path)
+
+
+def _dtypes(torch: Any, dtype: Any, names: Sequence[str]) -> dict[str, Any]:
+    """``to_torch``'s ``dtype=`` checked: ``None``, a ``torch.dtype`` or a dict of them by column name."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return {}
+    if isinstance(dtype, dict):
+        unknown = sorted(set(dtype) - set(names))
+        bad = [k for k, v in dtype.items() if not isinstance(v, torch.dtype)]
+        if unknown or bad:
+            raise ValueError("to_torch(dtype=) names %s; the columns are %s and each value is a torch.dtype." % (
+                ", ".join(map(repr, unknown + bad)), ", ".join(names)))
+        return dict(dtype)
+    raise ValueError("to_torch(dtype=) takes a torch.dtype (e.g. torch.float32) or a dict column -> torch.dtype; "
+                     "got %r." % (dtype,))
+
+
+def _converted(tensor: Any, dtype: Any, named: bool) -> Any:
+    """A single ``dtype`` converts floating-point columns only (labels keep their integer type); a
+    column named in a dict is converted whatever its type."""
+    if dtype is None or tensor.dtype == dtype or not (named or tensor.is_floating_point()):
+        return tensor
+    return tensor.to(dtype)
 
 
 def _check_batch_size(batch_size: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import platform
 import queue
@@ -49,6 +50,8 @@ from airflow_provider_horovod.runner.task import rank_states
 from airflow_provider_horovod.runner.task.shipper import ship_checkpoints
 
 WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.rank.worker"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +243,21 @@ def upload_artifacts(spec: RunSpec, task: TaskDir) -> Failure | None:
                        % (spec.channel[0], spec.channel[1], err or type(err).__name__), rank=0,
                        exception="%s: %s" % (type(err).__name__, err))
     return None
+
+
+def discarded_checkpoints(spec: RunSpec, task: TaskDir) -> str | None:
+    """The warning for a run without ``artifact_dir`` whose rank 0 saved checkpoints: what is thrown
+    away with the task's folder (``None`` when nothing is)."""
+    folder = task.artifacts / names.CHECKPOINTS_DIR
+    if spec.collect_artifacts or not folder.is_dir():
+        return None
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    if not files:
+        return None
+    shown = ", ".join(files[:5]) + (", ... (%d files)" % len(files) if len(files) > 5 else "")
+    return ("WARNING: rank 0 saved %s in runtime.checkpoint_dir(), and this run has no artifact_dir: they are deleted "
+            "with the task's folder now. Pass artifact_dir= to HorovodRunner to keep them (the operator always does)."
+            % shown)
 
 
 def result_rows(partition: int, kind: str, data: bytes, chunk: int) -> list[dict[str, Any]]:
@@ -443,6 +461,9 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
         if any(s.rank == 0 for s in mine):
             uploaded = upload_artifacts(spec, task)  # after a failure too: the last good checkpoint matters
             failure = failure or uploaded
+            note = discarded_checkpoints(spec, task)
+            if note and client.connected:
+                client.send(messages.Logs(0, [note], callback=True))
         failed = failure is not None or client.stopped.is_set()
         coordinator.finish(failure, rank_tails(mine) if failed else {})
         rows: list[dict[str, Any]] = []
@@ -493,6 +514,9 @@ def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:
             failure = launcher_of(spec.launcher).start_local(spec, plan, task, env)
         uploaded = upload_artifacts(spec, task)
         failure = failure or uploaded
+        note = discarded_checkpoints(spec, task)
+        if note:
+            log.warning("%s", note)
         if failure is not None:
             raise TaskFailure(failure.with_tail(rank_tails([s for s in plan.slots if s.rank == failure.rank]).get(str(failure.rank), [])))
         return task.result.read_bytes()

@@ -1,5 +1,6 @@
 """One np=2 job through HorovodRunnerHook on a `spark` connection with a local master, in a process
-whose environment names no executor Python (no PYSPARK_PYTHON).
+whose environment names no executor Python (no PYSPARK_PYTHON); then the next task's hook of the same
+process (as under ``airflow dags test``) with other Spark conf.
 
 usage: python tests/integration/scenarios/hook_local_python.py CONN_ID OUT_JSON
 (the connection comes from AIRFLOW_CONN_<CONN_ID>; started by path, with no PYTHONPATH)
@@ -20,13 +21,21 @@ def main() -> None:
         return sys.executable
 
     hook = HorovodRunnerHook(sys.argv[1], spark_conf={"spark.ui.enabled": "false"})
+    other = HorovodRunnerHook(sys.argv[1], spark_conf={"spark.ui.enabled": "false", "spark.task.maxFailures": "7"})
     try:
         result, _ = hook.run(rank_python, np=2, start_timeout=60)
-        conf = hook.get_conn().conf.get("spark.pyspark.python", None)
+        first = hook.get_conn()
+        conf = first.conf.get("spark.pyspark.python", None)
+        # the next task of this process (airflow dags test) with other conf: its own session, the first one stopped
+        second = other.get_conn()
+        same = HorovodRunnerHook(sys.argv[1], spark_conf={"spark.ui.enabled": "false", "spark.task.maxFailures": "7"})
+        next_task = {"fresh": second is not first, "first_stopped": first.sparkContext._jsc is None,
+                     "conf": second.sparkContext.getConf().get("spark.task.maxFailures"),
+                     "reused_when_the_same": same.get_conn() is second}
     finally:
-        hook.stop_session()
+        other.stop_session()
     with open(sys.argv[2], "w") as f:
-        json.dump({"rank_python": result, "conf": conf}, f)
+        json.dump({"rank_python": result, "conf": conf, "next_task": next_task}, f)
 
 
 if __name__ == "__main__":

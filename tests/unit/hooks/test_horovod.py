@@ -184,7 +184,10 @@ def test_the_jvms_output_is_logged_at_its_log4j_level_not_as_errors(tmp_path):
         "print(\"Using Spark's default log4j profile: org/apache/spark/log4j2-defaults.properties\", file=sys.stderr)\n"
         "print('26/12/03 04:18:07 WARN NativeCodeLoader: Unable to load native-hadoop library', file=sys.stderr)\n"
         "print('26/12/03 04:18:08 ERROR SparkContext: Error initializing SparkContext.', file=sys.stderr)\n"
+        "print('org.apache.spark.SparkException: Job aborted due to stage failure', file=sys.stderr)\n"
         "print('\\tat org.apache.spark.SparkContext.<init>(SparkContext.scala:1)', file=sys.stderr)\n"
+        "print('Caused by: java.net.ConnectException: Connection refused', file=sys.stderr)\n"
+        "print('\\t... 12 more', file=sys.stderr)\n"
         "print('26/12/03 04:18:09 INFO Executor: Starting executor')\n"
         "sys.stdout.write(%r * 1000)\n" % (filler + "\n")  # 100 KB, more than a pipe holds
     )
@@ -204,7 +207,11 @@ def test_the_jvms_output_is_logged_at_its_log4j_level_not_as_errors(tmp_path):
     assert levels["Using Spark's default log4j profile: org/apache/spark/log4j2-defaults.properties"] == "INFO"
     assert levels["26/12/03 04:18:07 WARN NativeCodeLoader: Unable to load native-hadoop library"] == "WARNING"
     assert levels["26/12/03 04:18:08 ERROR SparkContext: Error initializing SparkContext."] == "ERROR"
-    assert levels["\tat org.apache.spark.SparkContext.<init>(SparkContext.scala:1)"] == "ERROR"  # its stack trace
+    # Spark's stack trace under it: DEBUG (the provider's error says what failed)
+    assert levels["org.apache.spark.SparkException: Job aborted due to stage failure"] == "DEBUG"
+    assert levels["\tat org.apache.spark.SparkContext.<init>(SparkContext.scala:1)"] == "DEBUG"
+    assert levels["Caused by: java.net.ConnectException: Connection refused"] == "DEBUG"
+    assert levels["\t... 12 more"] == "DEBUG"
     assert levels["26/12/03 04:18:09 INFO Executor: Starting executor"] == "INFO"
     assert sum(r.getMessage() == filler for r in records) == 1000
 

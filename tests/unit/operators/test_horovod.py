@@ -248,3 +248,21 @@ def test_the_marker_keeps_the_engines_failure_report_else_one_made_from_the_exce
 @pytest.mark.parametrize(("np", "said"), [(2, "2 ranks"), (-2, "2 local processes")])
 def test_the_summary_counts_local_processes_as_processes_not_negative_ranks(np, said):
     assert _ranks_text(np) == said
+
+
+@pytest.mark.parametrize(("checkpoint_uri", "warned"), [(None, True), ("file:///a/try-1/checkpoints", False)])
+def test_the_summary_says_when_rank_0_left_checkpoint_dir_empty(caplog, capfd, checkpoint_uri, warned):
+    import logging
+
+    from airflow_provider_horovod import store
+    from airflow_provider_horovod.runner.events import RunStatus
+
+    op = HorovodRunnerOperator(task_id="t", training_callable=train, op_args=[0.1])
+    xcom = {"duration_s": 1.0, "np": 2, "launcher": "mpirun", "artifacts_uri": "file:///a/try-1",
+            "checkpoint_uri": checkpoint_uri, "timeline_uri": None}
+    with caplog.at_level(logging.INFO):
+        op._log_summary(xcom, _report(RunStatus.SUCCESS), store.TryStatus.SUCCESS, None)
+    text = caplog.text + "".join(capfd.readouterr())  # the task's logger goes through Airflow's structlog
+    assert "Horovod summary: succeeded" in text
+    assert ("checkpoint: none: rank 0 left runtime.checkpoint_dir() empty" in text) is warned
+    assert ("This try kept no checkpoint: rank 0 left runtime.checkpoint_dir() empty" in text) is warned

@@ -147,3 +147,18 @@ def test_bad_batch_size_and_remainder_name_the_allowed_values(tmp_path):
         shard.steps(0)
     with pytest.raises(ValueError, match="remainder must be one of wrap, drop"):
         Shard(shard.path, "pad")
+
+
+def test_to_torch_dtype_converts_floating_columns_and_keeps_labels(tmp_path):
+    import torch
+
+    shard = shard_of(tmp_path, list(range(6)), total=6, shards=1, partition=0)
+    first = next(shard.to_torch(4, dtype=torch.float64))
+    assert first["x"].dtype == torch.float64 and first["id"].dtype == torch.int64 and first["flag"].dtype == torch.bool
+    named = next(shard.to_torch(4, dtype={"id": torch.float32}))
+    assert named["id"].dtype == torch.float32 and named["x"].dtype == torch.float32
+    assert named["id"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="'nope'"):
+        next(shard.to_torch(4, dtype={"nope": torch.float32}))
+    with pytest.raises(ValueError, match="takes a torch.dtype"):
+        next(shard.to_torch(4, dtype="float32"))

@@ -122,27 +122,45 @@ def start_local(spec, plan: Plan, task: TaskDir, env: dict[str, str]) -> Failure
 
 # -- in the rank process ------------------------------------------------------------------------------
 STORE_WAIT_S = 600.0  # how long a rank waits for rank 0's store: rank 0 imports torch first, on a busy host too
+READY_WAIT_S = 60.0  # how long rank 0, done, keeps its store for ranks that have not reached it yet
+READY_KEY = "hvdrunner/ready"  # each rank but 0 adds 1 once it has reached the store
 _store: Any = None  # rank 0's store: it lives as long as the rank process
 
 
 def before_main() -> None:
     """Every rank, before the training function: torch.distributed imported; rank 0 starts the
     store at ``MASTER_ADDR:MASTER_PORT``, the other ranks wait until it accepts connections, so that
-    no ``init_process_group`` connects too early and retries a second later."""
+    no ``init_process_group`` connects too early and retries a second later. Each of them then says
+    so in the store, and rank 0, done before them (a function that never calls
+    ``init_process_group``), keeps the store until they all have: else a late rank waits for a
+    store that is gone."""
     global _store
+    import atexit
+    import datetime
+
     import torch.distributed as dist
 
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if os.environ["RANK"] == "0":
         _store = dist.TCPStore(address, port, int(os.environ["WORLD_SIZE"]), is_master=True, wait_for_workers=False)
+        atexit.register(_wait_for_ranks, _store, int(os.environ["WORLD_SIZE"]) - 1)
         return
     deadline = time.monotonic() + STORE_WAIT_S
     while True:
         try:
             socket.create_connection((address, port), timeout=1.0).close()
-            return
+            break
         except OSError:
             if time.monotonic() > deadline:
                 raise RuntimeError("Rank 0's torch.distributed store at %s:%d did not come up within %d s."
                                    % (address, port, STORE_WAIT_S)) from None
             time.sleep(0.01)
+    store = dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=READY_WAIT_S))
+    store.add(READY_KEY, 1)
+
+
+def _wait_for_ranks(store: Any, others: int) -> None:
+    """Rank 0 at its normal end: until every other rank has reached the store (bounded)."""
+    deadline = time.monotonic() + READY_WAIT_S
+    while store.add(READY_KEY, 0) < others and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -25,21 +25,49 @@ def _rank_env(monkeypatch, rank: int, port: int) -> None:
 
 
 def test_a_rank_waits_for_rank_0s_store_and_goes_on_once_it_listens(monkeypatch):
+    import torch.distributed as dist
+
     port = _free_port()
     _rank_env(monkeypatch, 1, port)
-    listener = socket.socket()
+    stores = []
 
     def listen_later() -> None:
         time.sleep(0.5)
-        listener.bind(("127.0.0.1", port))
-        listener.listen()
+        stores.append(dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False))
 
     threading.Thread(target=listen_later, daemon=True).start()
     started = time.monotonic()
     torch_launcher.before_main()
     waited = time.monotonic() - started
-    listener.close()
     assert 0.4 < waited < 5.0
+    assert stores[0].add(torch_launcher.READY_KEY, 0) == 1  # it said it reached the store
+
+
+def test_rank_0_done_first_keeps_its_store_until_a_late_rank_has_reached_it(tmp_path):
+    """A training function that never calls init_process_group (``runtime:size``): rank 0 ends before
+    rank 1 has even looked for the store. Rank 0's process keeps it until rank 1 has reached it."""
+    import os
+    import subprocess
+    import sys
+
+    port = _free_port()
+    code = "from airflow_provider_horovod.runner.launchers import torch as t; t.before_main(); print('done', flush=True)"
+
+    def rank(n: int) -> subprocess.Popen:
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(n), WORLD_SIZE="2")
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+
+    rank0 = rank(0)
+    assert rank0.stdout.readline() == "done\n"  # its function is over; the interpreter is at its exit
+    time.sleep(1.0)
+    assert rank0.poll() is None  # still holding the store for rank 1
+    rank1 = rank(1)
+    try:
+        assert rank1.wait(timeout=60) == 0 and rank0.wait(timeout=10) == 0
+    finally:
+        for proc in (rank0, rank1):
+            if proc.poll() is None:
+                proc.kill()
 
 
 def test_a_store_that_never_comes_up_is_named_with_its_address(monkeypatch):

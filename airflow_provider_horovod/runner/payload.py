@@ -197,8 +197,11 @@ def _ship_local_modules(fn: Callable[..., Any], uses: Uses) -> None:
         return
     for name in sorted(imports):
         module = sys.modules.get(name)
-        if module is None and name.split(".", 1)[0] not in sys.builtin_module_names:
-            origin = getattr(_find_spec(name), "origin", None)
+        top = name.split(".", 1)[0]
+        if module is None and top not in sys.builtin_module_names:
+            # the top-level name only: a submodule's spec imports its parents (horovod.tensorflow imports
+            # TensorFlow, seconds and a GB on the driver); whether it lies beside the file is the top's say
+            origin = getattr(_find_spec(top), "origin", None)
             if origin and not str(Path(origin).resolve()).startswith(_INSTALLED_ROOTS) and _beside(name, origin, folder):
                 raise _inside_import(fn, name, origin)
         elif module is not None and _local(module, folder):

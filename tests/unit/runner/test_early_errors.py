@@ -72,6 +72,27 @@ def test_a_helper_imported_inside_the_function_is_refused_with_the_fix(tmp_path,
         build_payload(dag.train_importing_inside, (1,))
 
 
+def test_building_the_payload_of_a_function_that_imports_a_framework_inside_imports_nothing_on_the_driver():
+    """The check of imports inside the function looks modules up without importing them: finding
+    ``horovod.tensorflow.keras``'s spec would import TensorFlow on the driver (seconds, a GB)."""
+    code = textwrap.dedent("""
+        import sys
+        from airflow_provider_horovod.runner.payload import build_payload
+
+        def train():
+            import horovod.tensorflow.keras as hvd
+            import tensorflow as tf
+            return hvd, tf
+
+        build_payload(train)
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "keras", "tf_keras")
+                     or m.startswith("horovod.tensorflow")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize(("master", "fixed"), [("local", True), ("local[2]", True), ("local[*]", True),
                                                 ("local[2,3]", True), ("local-cluster[2,1,1024]", False),
                                                 ("spark://h:7077", False), ("yarn", False), (None, False)])

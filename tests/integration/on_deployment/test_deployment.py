@@ -254,6 +254,11 @@ def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newe
     assert "Resuming from checkpoint" not in log
 
 
+def view_url(deployment: Deployment, dag_id: str, run_id: str, task_id: str) -> str:
+    """The Horovod view of one task instance, as the browser opens it."""
+    return "%s/horovod/dags/%s/runs/%s/tasks/%s" % (deployment.base_url, dag_id, quote(run_id, safe=""), task_id)
+
+
 def watch_the_live_view(deployment: Deployment, browser, tmp_path: Path, dag_id: str, run_id: str, task_id: str) -> None:
     """While the try runs (it reports a step every 0.5 s): its metrics are in the store (``metrics/<n>.jsonl``),
     its log has progress lines, and the Horovod view shows it running and the step advancing without a reload."""
@@ -263,7 +268,7 @@ def watch_the_live_view(deployment: Deployment, browser, tmp_path: Path, dag_id:
     live = deployment.artifact_folder(dag_id, run_id, task_id, 1) / "metrics"
     wait_until(lambda: live.is_dir() and any(live.iterdir()), 30, "no metrics committed while %s runs" % task_id)
     wait_log(deployment.api, dag_id, run_id, task_id, 1, "Horovod progress: step ", timeout=30)
-    browser.get("%s/horovod/dags/%s/runs/%s/tasks/%s" % (deployment.base_url, dag_id, quote(run_id, safe=""), task_id))
+    browser.get(view_url(deployment, dag_id, run_id, task_id))
     wait = WebDriverWait(browser, BROWSER_WAIT_S)
 
     def step() -> int:
@@ -333,7 +338,7 @@ def test_an_executor_killed_mid_training_restarts_in_the_same_try_and_the_view_s
         time.sleep(0.2)
     assert shared_cluster_ranks() == []
 
-    browser.get("%s/horovod/dags/%s/runs/%s/tasks/survive" % (airflow_deployment.base_url, dag_id, quote(run_id, safe="")))
+    browser.get(view_url(airflow_deployment, dag_id, run_id, "survive"))
     rows = WebDriverWait(browser, BROWSER_WAIT_S).until(
         lambda d: d.find_elements(By.CSS_SELECTOR, "#attempts tr td:first-child"))
     assert [r.text for r in rows] == ["0", "1"]
@@ -381,8 +386,7 @@ def test_the_default_retry_policy_fails_a_raising_function_after_one_try_and_ret
     wait = WebDriverWait(browser, BROWSER_WAIT_S)
     for task_id, why in [("raises", "Not retried (user code): the training function raised ValueError"),
                          ("more_ranks_than_slots", "Retried after 0 s if retries are left (too few slots)")]:
-        browser.get("%s/horovod/dags/%s/runs/%s/tasks/%s" % (airflow_deployment.base_url, dag_id,
-                                                             quote(run_id, safe=""), task_id))
+        browser.get(view_url(airflow_deployment, dag_id, run_id, task_id))
         shown = wait.until(lambda d: d.find_elements(By.ID, "failure-retry"))
         assert shown[0].text.startswith(why), shown[0].text
 

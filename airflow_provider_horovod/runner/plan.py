@@ -29,7 +29,7 @@ class TaskFacts:
     gpus: tuple[str, ...] = ()
     service_port: int = 0  # exec service (mpirun) of this task
     rendezvous_port: int = 0  # Horovod's rendezvous server (gloo, partition 0 only)
-    hnp_port: int = 0  # the port mpirun's out-of-band channel listens on (mpirun, partition 0 only)
+    hnp_ports: tuple[int, ...] = ()  # the ports mpirun's out-of-band channel may listen on (mpirun, partition 0 only)
     master_port: int = 0  # torch's MASTER_PORT, held for rank 0's store (torch, partition 0 only)
     iface: str = ""  # the name of the interface holding ``address`` on this host (Gloo uses it)
     network: str = ""  # that interface's network in CIDR notation, e.g. ``10.0.3.0/24`` (mpirun uses it)
@@ -53,6 +53,7 @@ class TaskFacts:
         raw = json.loads(text)
         raw["gpus"] = tuple(raw["gpus"])
         raw["missing"] = tuple(raw["missing"])
+        raw["hnp_ports"] = tuple(raw["hnp_ports"])
         return cls(**raw)
 
 
@@ -82,7 +83,7 @@ class Slot:
     network: str = ""  # CIDR of the network ``address`` is on
     service_port: int = 0  # the exec service of this slot's task (mpirun)
     rendezvous_port: int = 0  # Horovod's rendezvous server in this slot's task (Gloo, rank 0)
-    hnp_port: int = 0  # mpirun's out-of-band port in this slot's task (mpirun, rank 0); the orteds' HNP
+    hnp_ports: tuple[int, ...] = ()  # mpirun's out-of-band ports in this slot's task (mpirun, rank 0); the orteds' HNP
     master_port: int = 0  # torch's MASTER_PORT in this slot's task (torch, rank 0)
 
 
@@ -123,6 +124,7 @@ class Plan:
         slots = []
         for raw in json.loads(text):
             raw["gpus"] = tuple(raw["gpus"])
+            raw["hnp_ports"] = tuple(raw["hnp_ports"])
             slots.append(Slot(**raw))
         return cls(tuple(slots))
 
@@ -155,7 +157,7 @@ def make_plan(facts: list[TaskFacts]) -> Plan:
                 network=f.network,
                 service_port=f.service_port,
                 rendezvous_port=f.rendezvous_port,
-                hnp_port=f.hnp_port,
+                hnp_ports=f.hnp_ports,
                 master_port=f.master_port,
             )
         )

@@ -30,7 +30,7 @@ __all__ = ["Services", "launcher_of"]
 class Services:
     """What one barrier task serves to the other tasks while the ranks start (nothing, here)."""
 
-    def ports(self) -> dict[str, int]:
+    def ports(self) -> dict[str, int | tuple[int, ...]]:
         """The ports the plan must know (``TaskFacts`` fields by name)."""
         return {}
 

@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -78,12 +79,12 @@ _DIGITS = re.compile(r"^\d+$")
 _NODE_REGEX = re.compile(r"^[A-Za-z0-9_.,:@\[\]()\-]+$")
 _COMPONENTS = re.compile(r"^\^?[A-Za-z0-9_,]+$")
 _URI = re.compile(r"^\d+\.\d+;(?P<uris>.+)$")
-_TCP = re.compile(r"^tcp6?://(?P<addrs>[^/]+):(?P<port>\d+)$")
+_TCP = re.compile(r"^tcp6?://(?P<addrs>[^/]+):(?P<ports>\d+(?:,\d+)*)$")  # mpirun lists every port it holds
 
 
-def _hnp_addresses(value: str) -> list[tuple[list[str], int]] | None:
-    """The addresses and port of each URI in an HNP URI (``jobid.vpid;tcp://a,b:port;tcp6://[c]:port``),
-    or None if malformed."""
+def _hnp_addresses(value: str) -> list[tuple[list[str], list[int]]] | None:
+    """The addresses and ports of each URI in an HNP URI (``jobid.vpid;tcp://a,b:p1,p2;tcp6://[c]:p``),
+    or None if malformed (an mpirun that could bind none of its ports writes ``tcp://a:``)."""
     found = _URI.match(value)
     if not found:
         return None
@@ -94,7 +95,7 @@ def _hnp_addresses(value: str) -> list[tuple[list[str], int]] | None:
             return None
         try:
             uris.append(([str(ipaddress.ip_address(addr.strip("[]"))) for addr in tcp.group("addrs").split(",")],
-                         int(tcp.group("port"))))
+                         [int(port) for port in tcp.group("ports").split(",")]))
         except ValueError:
             return None
     return uris
@@ -106,7 +107,7 @@ def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | No
 
     The options mpirun itself was given (``mpirun_argv``) must come back with the same values; the
     ones Open MPI adds are checked by shape; the HNP URI must be exactly mpirun's (one URI: partition
-    0's address and the port it holds for mpirun), and the daemon's number (``vpid``) the one of the host asked for (its
+    0's address and ports it held for mpirun), and the daemon's number (``vpid``) the one of the host asked for (its
     place in the plan, from 1); ``OMPI_MCA_*`` settings of the run's environment pass as they are.
     Anything else (``orte_fork_agent``, ``orte_launch_agent``, a foreign HNP ...) is refused.
     """
@@ -130,10 +131,11 @@ def check_orted(argv: list[str], plan: Plan, env: dict[str, str], vpid: int | No
         if key == "pmix":
             return bool(_COMPONENTS.match(value))
         if key == "orte_hnp_uri":
-            # exactly the one URI mpirun listens on: partition 0's address and the port it held for
+            # exactly the one URI mpirun listens on: partition 0's address and ports it held for
             # mpirun (oob_tcp_if_include keeps mpirun to the plan's IPv4 networks: no other URI)
             uris = _hnp_addresses(value) or []
-            return len(uris) == 1 and uris[0][0] == [root_address] and uris[0][1] == (root.hnp_port or uris[0][1])
+            return (len(uris) == 1 and uris[0][0] == [root_address]
+                    and set(uris[0][1]) <= set(root.hnp_ports or uris[0][1]))
         raise OrtedRefused("orted option -mca %s is not one this run's mpirun passes" % key)
 
     if argv[:1] != [ORTED]:
@@ -318,43 +320,56 @@ def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[s
     if networks:
         include = ",".join(networks)
         argv += ["-mca", "btl_tcp_if_include", include, "-mca", "oob_tcp_if_include", include]
-    if plan is not None and plan.slots[0].hnp_port:  # the port the orteds' HNP must be at (check_orted)
-        argv += ["-mca", HNP_PORT_OPTION, str(plan.slots[0].hnp_port)]
+    if plan is not None and plan.slots[0].hnp_ports:  # the ports the orteds' HNP must be at (check_orted)
+        argv += ["-mca", HNP_PORT_OPTION, ",".join(map(str, plan.slots[0].hnp_ports))]
     return argv + WORKER
 
 
 
 # -- the launcher's interface (``launchers``) -------------------------------------------------------
+HNP_PORTS = 3  # ports held for mpirun's out-of-band channel; it listens on each one still free
+
+
 class MpirunServices(Services):
-    """Every task's exec service; partition 0 also holds the port mpirun's out-of-band channel will
-    listen on (bound, so no other process takes it, until mpirun is about to start)."""
+    """Every task's exec service; partition 0 also holds the ports mpirun's out-of-band channel will
+    listen on (bound, so no other process takes them, until mpirun is about to start).
+
+    mpirun cannot be handed a bound socket, and Open MPI's listener sets no ``SO_REUSEADDR`` on
+    such ports, so the hold ends just before mpirun binds: a connection or ``bind`` elsewhere on the
+    host may take a released port in that moment (seen under load: mpirun then named no port and
+    every orted was refused). mpirun listens on each held port it can still bind and names those,
+    so one taken port costs nothing. The holds bind the wildcard address as mpirun does: a port in
+    use on any address of the host is never held.
+    """
 
     def __init__(self, spec, partition: int, executor: str, address: str, task: TaskDir, env: dict[str, str],
                  client) -> None:
-        self._hnp_port: socket.socket | None = None
+        self._hnp_holds: list[socket.socket] = []
         if partition == 0:
-            self._hnp_port = socket.socket()
-            self._hnp_port.bind((address, 0))
+            for _ in range(HNP_PORTS):
+                hold = socket.socket()
+                hold.bind(("", 0))
+                self._hnp_holds.append(hold)
 
         def on_launch(_argv: list[str]) -> None:
             client.send(messages.Event("orted-launched", partition=partition, executor=executor))
 
         self.exec_service = ExecService(address, spec.secret, env, os.getpid(), on_launch, log_path=task.orted_log)
 
-    def ports(self) -> dict[str, int]:
+    def ports(self) -> dict[str, int | tuple[int, ...]]:
         return {"service_port": self.exec_service.port,
-                "hnp_port": self._hnp_port.getsockname()[1] if self._hnp_port is not None else 0}
+                "hnp_ports": tuple(hold.getsockname()[1] for hold in self._hnp_holds)}
 
     def expect(self, plan: Plan, partition: int) -> None:
         self.exec_service.expect(plan, partition)
 
-    def release_hnp_port(self) -> None:
-        """Just before mpirun starts: let it take the port the plan pins (``check_orted``)."""
-        if self._hnp_port is not None:
-            self._hnp_port.close()
+    def release_hnp_ports(self) -> None:
+        """Just before mpirun starts: let it take the ports the plan pins (``check_orted``)."""
+        for hold in self._hnp_holds:
+            hold.close()
 
     def close(self) -> None:
-        self.release_hnp_port()
+        self.release_hnp_ports()
         self.exec_service.close()
 
 
@@ -382,7 +397,7 @@ def start(spec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], 
     env = dict(env)
     env[names.ENV_EXEC_SERVICES] = json.dumps({name: "%s:%d" % (s.address, s.service_port) for name, s in leaders.items()})
     hand_over_key(task.exec_key, wire.role_key(spec.secret, wire.ROLE_EXEC))
-    services.release_hnp_port()
+    services.release_hnp_ports()
     try:
         return run_mpirun(plan, mpirun_argv(plan, networks=plan.networks), env, task)
     finally:
@@ -440,6 +455,12 @@ def parse_mpirun_exit(lines: list[str]) -> tuple[int, int] | None:
     return None
 
 
+def shell_status(code: int) -> int:
+    """mpirun's exit code as a process status: like a shell, it exits with 128 + N when signal N
+    ended the job (-N here); any other code is its own (255: mpirun itself failed)."""
+    return 128 - code if 128 < code < 128 + signal.NSIG else code
+
+
 def mpirun_failure(plan: Plan, code: int, task: TaskDir, *, stopping: bool) -> Failure:
     """Why mpirun failed: the failing rank (its own report when it made one), then mpirun's words."""
     said = tail(task.mpirun_log)
@@ -459,5 +480,5 @@ def mpirun_failure(plan: Plan, code: int, task: TaskDir, *, stopping: bool) -> F
         return Failure(message="%s %s" % (where(slot), how), rank=slot.rank, host=slot.hostname,
                        executor=slot.executor, exit=how, tail=tuple(tail(own_log)),
                        launcher_output=launcher_output, consequence=stopping)
-    return Failure(message="mpirun %s before any rank reported why" % exit_text(code if code < 128 else 128 - code),
+    return Failure(message="mpirun %s before any rank reported why" % exit_text(shell_status(code)),
                    exit=exit_text(code), launcher_output=launcher_output, consequence=stopping)

@@ -38,24 +38,25 @@ from airflow_provider_horovod.runner.plan import Plan, Slot
 
 
 class PortHold(Services):
-    """Partition 0's hold on ``MASTER_PORT``: bound, never listening, released just before rank 0 starts."""
+    """Partition 0's hold on ``MASTER_PORT``, for as long as the attempt runs: bound with
+    ``SO_REUSEADDR`` and never listening. Rank 0's store binds the port over it (c10d's listener,
+    libuv's or its own, sets ``SO_REUSEADDR`` too), while no ``connect`` or ``bind`` elsewhere on the
+    host can take it: released before rank 0 started, the port could go to another process first."""
 
     def __init__(self, address: str | None) -> None:
         self._sock: socket.socket | None = None
         if address is not None:
             self._sock = socket.socket()
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((address, 0))
         self.port = self._sock.getsockname()[1] if self._sock is not None else 0
 
     def ports(self) -> dict[str, int]:
         return {"master_port": self.port} if self._sock is not None else {}
 
-    def release(self) -> None:
+    def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
-
-    def close(self) -> None:
-        self.release()
 
 
 def serve(spec, partition: int, executor: str, address: str, task: TaskDir, env: dict[str, str],
@@ -106,18 +107,19 @@ def slot_env(plan: Plan, slot: Slot, run_id: str, master: tuple[str, int], env: 
 
 def start(spec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], services: PortHold,
           client) -> Failure | None:
-    """This task's own rank; partition 0's lets go of ``MASTER_PORT`` first, for its rank's store."""
+    """This task's own rank; partition 0's rank hosts the store at ``MASTER_PORT`` (held by ``services``)."""
     root = plan.slots[0]
-    services.release()
     return run_rank_processes([plan.for_partition(partition)], env,
                               lambda slot: slot_env(plan, slot, spec.run_id, (root.address, root.master_port), env))
 
 
 def start_local(spec, plan: Plan, task: TaskDir, env: dict[str, str]) -> Failure | None:
     hold = PortHold(LOOPBACK)
-    hold.release()
-    return run_rank_processes(list(plan.slots), env,
-                              lambda slot: slot_env(plan, slot, spec.run_id, (LOOPBACK, hold.port), env))
+    try:
+        return run_rank_processes(list(plan.slots), env,
+                                  lambda slot: slot_env(plan, slot, spec.run_id, (LOOPBACK, hold.port), env))
+    finally:
+        hold.close()
 
 
 # -- in the rank process ------------------------------------------------------------------------------

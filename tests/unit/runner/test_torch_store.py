@@ -79,11 +79,21 @@ def test_a_store_that_never_comes_up_is_named_with_its_address(monkeypatch):
 
 
 def test_rank_0_starts_the_store_that_the_ranks_then_join(monkeypatch):
+    import atexit
+
     import torch.distributed as dist
 
     port = _free_port()
     _rank_env(monkeypatch, 0, port)
+    monkeypatch.setattr(torch_launcher, "_store", None)
     torch_launcher.before_main()
+    # rank 0's exit now waits (READY_WAIT_S) for rank 1 to say it reached the store; in this process, that
+    # wait would come at pytest's exit (it once cost the suite a minute)
+    atexit.unregister(torch_launcher._wait_for_ranks)
     client = dist.TCPStore("127.0.0.1", port, 2, is_master=False)  # what init_process_group does with the agent store
     client.set("hello", "rank 1")
     assert torch_launcher._store.get("hello") == b"rank 1"
+    client.add(torch_launcher.READY_KEY, 1)  # what rank 1's before_main says
+    started = time.monotonic()
+    torch_launcher._wait_for_ranks(torch_launcher._store, 1)
+    assert time.monotonic() - started < 1.0

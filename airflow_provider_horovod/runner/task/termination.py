@@ -52,6 +52,8 @@ class SigtermNotice:
 
         def on_sigterm(_signum, _frame) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the task at once
+            if getattr(client, "stopped", None) is not None and client.stopped.is_set():
+                _die()  # the driver is ending the attempt (Spark without its daemon kills workers by SIGTERM)
             self.told.set()
             preemption.announce(task_dir)
             client.send(messages.Event("terminating", partition=partition, executor=executor))

@@ -87,3 +87,17 @@ def test_without_sigterm_nothing_is_sent_and_the_handler_is_put_back(tmp_path):
     assert proc.wait(timeout=10) == 0
     assert _said(proc) == [{"closed": True, "default_handler": True}]
     assert not (tmp_path / "preempting").exists()
+
+
+def test_a_task_the_driver_already_stopped_ends_at_sigterm_at_once(tmp_path):
+    """Spark without its Python daemon kills a cancelled task's worker by SIGTERM: no notice then."""
+    stopped = TASK.replace("class Client:  # what the driver would hear, one line each",
+                           "import threading\nclass Client:  # what the driver would hear, one line each\n"
+                           "    stopped = threading.Event()\n    stopped.set()")
+    proc = subprocess.Popen([sys.executable, "-c", stopped, str(tmp_path), "60", "600", "0"], stdout=subprocess.PIPE,
+                            text=True)
+    rank = json.loads(proc.stdout.readline())["rank"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=5) == -signal.SIGTERM
+    os.kill(rank, signal.SIGKILL)  # its reaper's work in a real task (it holds the output pipe open)
+    assert _said(proc) == [] and not (tmp_path / "preempting").exists()

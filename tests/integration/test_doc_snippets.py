@@ -4,13 +4,14 @@ PYSPARK_PYTHON: the session the engine creates gives its executors the driver's 
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.snippets import HOW_TO, MIGRATING, README, blocks, section_code
+from tests.snippets import FIRST_DAG, HOW_TO, MIGRATING, README, blocks, files, section_code
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +54,24 @@ def test_the_migration_pages_mnist_notebook_runs_with_only_the_import_changed(tm
     assert "from sparkdl import HorovodRunner" in notebook  # the line it replaces, said beside it
     out = _run_script(tmp_path, notebook + "\nassert isinstance(loss, float), loss\nprint('CHECKED')\n")
     assert "CHECKED" in out and "[rank 0] epoch 1 loss" in out and "[rank 1] epoch 1 loss" in out
+
+
+def test_the_first_dag_pages_unit_tests_pass_as_written(spark, tmp_path, monkeypatch):
+    """docs/first-dag.md's tests of its training code: the step alone, and the whole function with
+    runtime.dataset() through the engine. Called here, in the suite's process with its SparkSession
+    active (which the page's engine test then uses), instead of a new pytest that starts a Spark
+    of its own (about 10 s more); its DAG runs in test_airflow_dags.py."""
+    for name, code in files(FIRST_DAG).items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path / "dags"))  # -o pythonpath=dags, as the page runs them
+    monkeypatch.syspath_prepend(str(tmp_path / "tests"))
+    for module in ("first_model", "test_first_model"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    tests = importlib.import_module("test_first_model")
+    assert tests.first_model.__file__ == str(tmp_path / "dags" / "first_model.py")  # not installed: goes by value
+    tests.test_fit_learns_the_line()
+    (tmp_path / "run").mkdir()
+    tests.test_train_reads_its_shard_and_saves_the_model(tmp_path / "run")
+    for module in ("first_model", "test_first_model"):
+        sys.modules.pop(module, None)

@@ -318,7 +318,7 @@ def test_the_first_dag_page_runs_as_written_and_its_evaluate_reads_the_checkpoin
     out = proc.stdout + proc.stderr
     assert airflow.task_states("first_training") == {"train": ("success", 1), "evaluate": ("success", 1)}
     assert airflow.xcom("first_training", "train") == {"loss": pytest.approx(0, abs=0.05), "ranks": 2, "rows": 512}
-    assert "[rank 1] " in out and "Horovod progress: step 5/5 (100%), loss" in out
+    assert "[rank 1] epoch 4: loss " in out and "Horovod progress: step 5/5 (100%), loss" in out
     assert "Horovod summary: succeeded; 2 ranks with mpirun" in out
 
     evaluated = airflow.xcom("first_training", "evaluate")  # read back through ObjectStoragePath
@@ -334,8 +334,7 @@ def test_the_first_dag_page_runs_as_written_and_its_evaluate_reads_the_checkpoin
     assert (folder / "checkpoints" / "model.pt").is_file() and (folder / "timeline.json").is_file()
     assert 1 <= len(list((folder / "versions").iterdir())) <= 2  # keep_checkpoints=2
     assert airflow.xcom("first_training", "train", "horovod_metrics")["step"] == 5
-    [log] = (airflow.home / "logs" / "dag_id=first_training" / ("run_id=" + run_id) / "task_id=train").glob("attempt=1*")
-    assert "[rank 0] " in log.read_text()
+    assert not (airflow.home / "logs" / "dag_id=first_training").exists()  # dags test: the terminal only
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The code blocks of the README and the how-to, as the Markdown has them (the snippet tests run them)."""
+"""The code blocks of the README and the docs, as the Markdown has them (the snippet tests run them)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 HOW_TO = REPO / "docs" / "how-to.md"
 MIGRATING = REPO / "docs" / "migrating.md"
+FIRST_DAG = REPO / "docs" / "first-dag.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
 SECTION = re.compile(r"^## (.+)$", re.M)
 
@@ -36,3 +37,14 @@ def blocks(path: Path, lang: str | None = None) -> list[Block]:
 def section_code(path: Path, section_start: str) -> list[str]:
     """The Python blocks of the section whose heading starts with ``section_start``."""
     return [b.code for b in blocks(path, "python") if b.section.startswith(section_start)]
+
+
+def files(path: Path) -> dict[str, str]:
+    """The Python blocks of ``path`` that are files: each starts with its path as a comment
+    (``# dags/first_model.py``); path -> code."""
+    found = {}
+    for block in blocks(path, "python"):
+        first = block.code.split("\n", 1)[0]
+        if first.startswith("# ") and first.endswith(".py") and " " not in first[2:]:
+            found[first[2:]] = block.code
+    return found

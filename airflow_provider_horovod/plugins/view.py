@@ -322,6 +322,7 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
 {% if facts.checkpoints %}<table id="checkpoints"><tr><th>file</th><th>size</th><th></th></tr>
 {% for f in facts.checkpoints %}<tr><td><code>{{ f.path[checkpoints|length + 1:] }}</code></td><td class="num">{{ fmt_size(f.size) }}</td>
 <td><a class="download" href="{{ url('tries', selected.number|string, 'files', f.path) }}" download>download</a></td></tr>{% endfor %}</table>
+{% elif facts.versions %}<p class="muted" id="no-final-checkpoint">{% if facts.status == "running" %}The try is running: rank 0's checkpoint folder comes as a whole when it ends. The versions committed so far:{% else %}This try ended without storing rank 0's checkpoint folder; the versions committed while it ran:{% endif %}</p>
 {% else %}<p class="muted" id="no-checkpoints">Rank 0 stored no checkpoint in this try.</p>{% endif %}
 {% if facts.versions %}<table id="versions"><tr><th>version</th><th>step</th><th>size</th><th>files sent</th></tr>
 {% for v in facts.versions %}<tr><td class="num">{{ v.seq }}</td><td class="num">{{ v.step if v.step is not none else "" }}</td>

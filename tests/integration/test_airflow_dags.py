@@ -305,6 +305,38 @@ def test_bad_input_fails_before_training_with_errors_that_name_the_fix(airflow):
     assert "Starting Horovod job" not in output and "Starting a SparkSession" not in output
 
 
+def test_the_first_dag_page_runs_as_written_and_its_evaluate_reads_the_checkpoint(airflow):
+    """docs/first-dag.md: its DAG file and the helper module beside it (shipped by value), under
+    ``airflow dags test``; the logs, artifacts and XComs are where the page says."""
+    from tests.snippets import FIRST_DAG, files
+
+    for name, code in files(FIRST_DAG).items():
+        if name.startswith("dags/"):
+            (airflow.dags / Path(name).name).write_text(code)
+    proc = airflow.dags_test("first_training")
+    assert proc.returncode == 0, explain(proc)
+    out = proc.stdout + proc.stderr
+    assert airflow.task_states("first_training") == {"train": ("success", 1), "evaluate": ("success", 1)}
+    assert airflow.xcom("first_training", "train") == {"loss": pytest.approx(0, abs=0.05), "ranks": 2, "rows": 512}
+    assert "[rank 1] epoch 4: loss " in out and "Horovod progress: step 5/5 (100%), loss" in out
+    assert "Horovod summary: succeeded; 2 ranks with mpirun" in out
+
+    evaluated = airflow.xcom("first_training", "evaluate")  # read back through ObjectStoragePath
+    assert evaluated["epoch"] == 4 and evaluated["bias"] == pytest.approx(1, abs=0.1)
+    assert evaluated["weights"] == [pytest.approx(2, abs=0.1), pytest.approx(-3, abs=0.1)]
+    assert "Learned weights" in out
+
+    run_id = airflow.last_run_id("first_training")
+    folder = local(airflow.xcom("first_training", "train", "horovod_artifacts_uri"))
+    assert folder == airflow.artifacts / "first_training" / run_id / "train" / "try-1"
+    assert json.loads((folder / "_ARTIFACTS.json").read_text())["complete"] is True
+    assert local(airflow.xcom("first_training", "train", "horovod_checkpoint_uri")) == folder / "checkpoints"
+    assert (folder / "checkpoints" / "model.pt").is_file() and (folder / "timeline.json").is_file()
+    assert 1 <= len(list((folder / "versions").iterdir())) <= 2  # keep_checkpoints=2
+    assert airflow.xcom("first_training", "train", "horovod_metrics")["step"] == 5
+    assert not (airflow.home / "logs" / "dag_id=first_training").exists()  # dags test: the terminal only
+
+
 @pytest.fixture(scope="module")
 def mlflow_process(tmp_path_factory):
     """A real ``mlflow server`` (from .venv-mlflow/, which scripts/setup makes) with its own

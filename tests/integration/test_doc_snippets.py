@@ -4,13 +4,14 @@ PYSPARK_PYTHON: the session the engine creates gives its executors the driver's 
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.snippets import HOW_TO, MIGRATING, README, blocks, section_code
+from tests.snippets import FIRST_DAG, HOW_TO, MIGRATING, README, blocks, files, section_code
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +54,25 @@ def test_the_migration_pages_mnist_notebook_runs_with_only_the_import_changed(tm
     assert "from sparkdl import HorovodRunner" in notebook  # the line it replaces, said beside it
     out = _run_script(tmp_path, notebook + "\nassert isinstance(loss, float), loss\nprint('CHECKED')\n")
     assert "CHECKED" in out and "[rank 0] epoch 1 loss" in out and "[rank 1] epoch 1 loss" in out
+
+
+def test_the_first_dag_pages_unit_test_of_the_training_step_passes_as_written(tmp_path, monkeypatch):
+    """docs/first-dag.md's test of the training step alone (no Spark), imported as its pytest
+    would (``-o pythonpath=dags``). Its other test runs first_model.train through the engine on a
+    new Spark (about 20 s): the same function with the same dataset= runs in this suite under
+    ``airflow dags test`` (test_airflow_dags.py), so only its being collected is checked here."""
+    for name, code in files(FIRST_DAG).items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path / "dags"))
+    monkeypatch.syspath_prepend(str(tmp_path / "tests"))
+    for module in ("first_model", "test_first_model"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    try:
+        tests = importlib.import_module("test_first_model")
+        assert tests.first_model.__file__ == str(tmp_path / "dags" / "first_model.py")
+        assert callable(tests.test_train_reads_its_shard_and_saves_the_model)
+        tests.test_fit_learns_the_line()
+    finally:
+        for module in ("first_model", "test_first_model"):
+            sys.modules.pop(module, None)

@@ -67,3 +67,13 @@ def test_a_stalled_try_shows_who_stalled_and_every_ranks_stacks_in_its_failure_p
     stacks = re.search(r'<pre id="failure-traceback">(.*?)</pre>', page, re.S).group(1)
     assert stacks.startswith("Python stacks at the stall") and "line 52, in sleepy" in stacks
     assert stacks.index("rank 1 (pid 101") < stacks.index("rank 0 (pid 100")  # the stalled rank first
+
+
+@pytest.mark.parametrize("status, committed", [("running", False), ("failed", True)])
+def test_a_try_with_versions_but_no_final_checkpoint_shows_the_versions_not_no_checkpoint(status, committed):
+    version = {"seq": 1, "step": 3, "size": 1, "sent": ["model.pt"], "files": {"model.pt": 1}, "uri": "file:///v/000001"}
+    page = _page(status=status, committed=committed, versions=[version])
+    assert 'id="no-checkpoints"' not in page and 'id="versions"' in page
+    said = re.search(r'id="no-final-checkpoint">(.*?)</p>', page).group(1)
+    assert ("is running" in said) == (status == "running") and "versions committed" in said
+    assert 'id="no-checkpoints">Rank 0 stored no checkpoint' in _page()  # nothing at all: said so

@@ -114,6 +114,12 @@ class HorovodRunnerHook(BaseHook):
       ``client``: the Spark driver runs inside the Airflow task.
     * ``spark_connect``: ``sc://host:port``, with the token in the password field.
 
+    Either type may set the extra ``connect_timeout`` (seconds, 10 by default): before its JVM starts, the
+    task checks that the master (``spark://``, every standby master at once), the Kubernetes API server
+    (``k8s://``) or the Spark Connect server accepts a TCP connection within it, and otherwise fails with a
+    ``SparkConnectionError`` naming the connection, the master and the fix (``local[N]`` and ``yarn`` have
+    nothing to probe: no master process, and a ResourceManager known only to the Hadoop configuration).
+
     Either type may name its Spark History Server in the extra ``history_server_url``
     (``https://history.example.com:18080``); with ``spark.eventLog.enabled`` the task's "Spark UI"
     link points at the application there, where it outlives the task.

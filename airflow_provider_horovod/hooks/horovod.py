@@ -9,16 +9,19 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import re
 import shlex
 import shutil
+import socket
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from airflow.sdk import BaseHook, ObjectStoragePath
 
@@ -53,6 +56,11 @@ REFUSED_EXTRAS = {
 }
 # The extra of a ``spark`` connection that names its Spark History Server (the "Spark UI" link goes there).
 HISTORY_SERVER_EXTRA = "history_server_url"
+# The extra of a ``spark`` or ``spark_connect`` connection that bounds, in seconds, the wait for its
+# master (``spark://``), Kubernetes API server (``k8s://``) or Spark Connect server to accept a TCP
+# connection, checked before any JVM starts. Spark's own standalone client gives up after 3 x 20 s.
+CONNECT_TIMEOUT_EXTRA = "connect_timeout"
+CONNECT_TIMEOUT_S = 10.0
 # Extras of the ``spark`` connection that map onto Spark conf keys.
 EXTRA_TO_CONF = {
     "queue": "spark.yarn.queue",
@@ -78,6 +86,7 @@ class SparkTarget:
     conf: dict[str, str] = field(default_factory=dict)
     embedded_fallback: bool = False
     history_server_url: str | None = None
+    connect_timeout: float = CONNECT_TIMEOUT_S
 
     @property
     def where(self) -> str:
@@ -85,6 +94,12 @@ class SparkTarget:
         if self.remote:
             return self.remote.split(";", 1)[0].rstrip("/")
         return str(self.master)
+
+    def described(self) -> str:
+        """The connection and where it points, for errors."""
+        if self.embedded_fallback:
+            return "the embedded Spark (master %s; no %r connection is defined)" % (self.where, self.conn_id)
+        return "connection %r (%s %s)" % (self.conn_id, "Spark Connect URL" if self.remote else "master", self.where)
 
 
 class HorovodRunnerHook(BaseHook):
@@ -98,6 +113,12 @@ class HorovodRunnerHook(BaseHook):
       ``queue``, ``namespace``, ``principal`` map to their Spark conf keys. ``deploy-mode`` must be
       ``client``: the Spark driver runs inside the Airflow task.
     * ``spark_connect``: ``sc://host:port``, with the token in the password field.
+
+    Either type may set the extra ``connect_timeout`` (seconds, 10 by default): before its JVM starts, the
+    task checks that the master (``spark://``, every standby master at once), the Kubernetes API server
+    (``k8s://``) or the Spark Connect server accepts a TCP connection within it, and otherwise fails with a
+    ``SparkConnectionError`` naming the connection, the master and the fix (``local[N]`` and ``yarn`` have
+    nothing to probe: no master process, and a ResourceManager known only to the Hadoop configuration).
 
     Either type may name its Spark History Server in the extra ``history_server_url``
     (``https://history.example.com:18080``); with ``spark.eventLog.enabled`` the task's "Spark UI"
@@ -162,14 +183,16 @@ class HorovodRunnerHook(BaseHook):
 
             self._mask(conn)
             url = SparkConnectHook(conn.conn_id).get_connection_url()
-            return SparkTarget(conn_id=conn.conn_id, remote=url, history_server_url=_history_server(conn.conn_id, extras))
+            return SparkTarget(conn_id=conn.conn_id, remote=url, history_server_url=_history_server(conn.conn_id, extras),
+                               connect_timeout=_connect_timeout(conn.conn_id, extras))
         if conn.conn_type != "spark":
             raise SparkConnectionError(
                 "Connection %r has type %r; HorovodRunnerHook needs a 'spark' connection (host = master URL) "
                 "or a 'spark_connect' connection (sc://host:port)." % (conn.conn_id, conn.conn_type)
             )
         return SparkTarget(conn_id=conn.conn_id, master=_master_url(conn), conf=self._conf_from_extras(conn.conn_id, extras),
-                           history_server_url=_history_server(conn.conn_id, extras))
+                           history_server_url=_history_server(conn.conn_id, extras),
+                           connect_timeout=_connect_timeout(conn.conn_id, extras))
 
     def _conf_from_extras(self, conn_id: str, extras: dict[str, Any]) -> dict[str, str]:
         conf: dict[str, str] = {}
@@ -182,7 +205,7 @@ class HorovodRunnerHook(BaseHook):
                         "so only client mode can work: remove deploy-mode from the connection's extras or set "
                         "it to 'client'." % (conn_id, value)
                     )
-            elif key == HISTORY_SERVER_EXTRA:
+            elif key in (HISTORY_SERVER_EXTRA, CONNECT_TIMEOUT_EXTRA):
                 continue  # read by resolve_target, not Spark conf
             elif key in SPARK_SUBMIT_ONLY_EXTRAS:
                 self.log.info("Ignoring extra %r of connection %r: it only concerns spark-submit.", key, conn_id)
@@ -198,7 +221,8 @@ class HorovodRunnerHook(BaseHook):
             raise SparkConnectionError(
                 "Connection %r has extras HorovodRunnerHook does not understand: %s. Spark conf keys start "
                 "with 'spark.' (e.g. {\"spark.executor.memory\": \"4g\"}); the other allowed keys are "
-                "deploy-mode, queue, namespace, principal, history_server_url." % (conn_id, ", ".join(sorted(unknown)))
+                "deploy-mode, queue, namespace, principal, history_server_url, connect_timeout."
+                % (conn_id, ", ".join(sorted(unknown)))
             )
         return conf
 
@@ -234,12 +258,24 @@ class HorovodRunnerHook(BaseHook):
             self._owns_session = active is None
             builder = builder.master(target.master)
         self.log.info("Starting a SparkSession on %s (connection %r)", target.where, target.conn_id)
-        if not target.remote and active is None:
-            start_jvm({**conf, "spark.master": target.master, "spark.app.name": self.app_name}, JVM_LOG)
+        if target.remote or active is None:
+            self._prepare_new_session(target, conf)
         self._session = builder.getOrCreate()
         if not target.remote and active is None:
             _CREATED.update(session=self._session, conf={**conf, "spark.master": str(target.master)})
         return self._session
+
+    def _prepare_new_session(self, target: SparkTarget, conf: dict[str, str]) -> None:
+        """Before a new session: its master must accept a connection within ``connect_timeout``, then (classic)
+        the JVM must start; either failure is a ``SparkConnectionError`` naming the connection, its master and
+        the fix, instead of a py4j stack after Spark's 3 x 20 s or PySpark's bare ``JAVA_GATEWAY_EXITED``."""
+        check_reachable(target)
+        if target.remote:
+            return
+        try:
+            start_jvm({**conf, "spark.master": str(target.master), "spark.app.name": self.app_name}, JVM_LOG)
+        except GatewayExitedError as err:
+            raise SparkConnectionError(gateway_exited_message(target, err.lines)) from None
 
     def _active_session(self, wanted: dict[str, str]) -> Any:
         """The process's active classic SparkSession, to reuse; ``None`` when there is none, or when a
@@ -432,6 +468,8 @@ JVM_LINE = re.compile(r"^\d\d/\d\d/\d\d \d\d:\d\d:\d\d (TRACE|DEBUG|INFO|WARN|ER
 # a Java stack trace's lines: its exception ("org.apache.spark.SparkException: ..."), frames, causes
 JVM_STACK_LINE = re.compile(r"^(\s+at |\s*\.\.\. \d+ (more|common frames omitted)|Caused by: |\s+Suppressed: |"
                             r"([a-z_$][\w$]*\.)+[A-Z][\w$]*(Exception|Error|Throwable)(: |$))")
+# a Java stack trace's frames, which say nothing to a user ("\tat ...", "... 12 more")
+JVM_FRAME_LINE = re.compile(r"^(\s+at |\s*\.\.\. \d+ (more|common frames omitted))")
 JVM_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
               "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
 
@@ -450,6 +488,7 @@ def start_jvm(conf: dict[str, str], logger: logging.Logger) -> None:
     blocks the JVM and never breaks under it when this process dies, as a pipe would.
     """
     from pyspark import SparkConf, SparkContext
+    from pyspark.errors import PySparkRuntimeError
     from pyspark.java_gateway import launch_gateway
 
     if SparkContext._gateway is not None:
@@ -458,13 +497,158 @@ def start_jvm(conf: dict[str, str], logger: logging.Logger) -> None:
     try:
         read_fd = os.open(path, os.O_RDONLY)
         os.unlink(path)
-        _JvmLines(read_fd, logger).start()
+        output = _JvmLines(read_fd, logger)
+        output.start()
         with _conf_in_private_file(conf):
             gateway = launch_gateway(SparkConf(loadDefaults=False),
                                      popen_kwargs={"stdout": fd, "stderr": fd, "start_new_session": True})
+    except PySparkRuntimeError as err:
+        if err.getCondition() != "JAVA_GATEWAY_EXITED":
+            raise
+        raise GatewayExitedError(output.finish()) from None
     finally:
         os.close(fd)
     SparkContext._ensure_initialized(gateway=gateway)
+
+
+class GatewayExitedError(RuntimeError):
+    """spark-submit exited before PySpark's gateway was up; ``lines``: the last lines it printed."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("Spark's JVM exited before its gateway started")
+        self.lines = lines
+
+
+# What the last lines of a spark-submit that exited say, and what to do about it (the first match wins).
+GATEWAY_FIXES = (
+    (re.compile(r"HADOOP_CONF_DIR or YARN_CONF_DIR"),
+     "Set HADOOP_CONF_DIR (or YARN_CONF_DIR) in the Airflow worker's environment to the YARN cluster's client "
+     "configuration, or point the connection at another master."),
+    (re.compile(r"JAVA_HOME|/bin/java\b|java: (command )?not found|UnsupportedClassVersionError"),
+     "Spark 4 needs a Java 17 or newer runtime on the Airflow worker: point JAVA_HOME at one (or unset it to use "
+     "the java on PATH), or install one (apt-get install openjdk-17-jre-headless)."),
+)
+GATEWAY_FIX_OTHERWISE = (
+    "Fix what spark-submit says: the usual causes are a Spark conf value it rejects (the connection's extras, the "
+    "task's spark_conf, spark-defaults.conf), a master URL it cannot use, or the Java runtime (JAVA_HOME, Java 17+). "
+    "The JVM's whole output is in the task log (logger airflow_provider_horovod.spark, stack traces at DEBUG).")
+# The connection ``airflow connections create-default-connections`` makes: a trap for the embedded default.
+DEFAULT_CONNECTION_TRAP = (
+    " If %r is the connection that `airflow connections create-default-connections` created (host yarn, extras "
+    "{\"queue\": \"root.default\"}), delete it (airflow connections delete %s) to run the embedded local[2] Spark "
+    "instead, or point it at your cluster.")
+
+
+def gateway_exited_message(target: SparkTarget, lines: list[str]) -> str:
+    """The error for a spark-submit that exited before the session existed (PySpark's JAVA_GATEWAY_EXITED)."""
+    said = "\n".join("  %s" % line for line in lines) or "  (nothing)"
+    fix = next((fix for pattern, fix in GATEWAY_FIXES if any(pattern.search(line) for line in lines)),
+               GATEWAY_FIX_OTHERWISE)
+    if target.conn_id == HorovodRunnerHook.default_conn_name and target.master == "yarn" and not target.embedded_fallback:
+        fix += DEFAULT_CONNECTION_TRAP % (target.conn_id, target.conn_id)
+    return ("Spark's JVM for %s exited before the SparkSession existed (PySpark's JAVA_GATEWAY_EXITED). The last "
+            "lines spark-submit printed:\n%s\n%s" % (target.described(), said, fix))
+
+
+# -- is the master there? (before any JVM starts) --------------------------------------------------
+# What answers for each kind of target, the port it listens on by default, and what to do when it does not.
+ENDPOINT_KINDS = {
+    "spark": ("the Spark master", None,
+              "Start the master, or set the connection's host to the URL its web UI shows (spark://host:7077; "
+              "with standby masters, all of them: spark://a:7077,b:7077)."),
+    "k8s": ("the Kubernetes API server", None,
+            "Set the connection's host to the API server's URL as `kubectl cluster-info` prints it "
+            "(k8s://https://host:port)."),
+    "sc": ("the Spark Connect server", 15002,
+           "Start the Spark Connect server (sbin/start-connect-server.sh), or fix the connection's host and port "
+           "(sc://host:15002)."),
+}
+
+
+def endpoints(target: SparkTarget) -> tuple[str, list[tuple[str, int]]]:
+    """What must accept a TCP connection before a session on ``target`` can exist: (its kind, its addresses).
+
+    ``spark://a:7077,b:7077``: each master (one answering is enough); ``k8s://``: the API server; ``sc://``:
+    the Spark Connect server. None for ``local[N]`` (no master process) and ``yarn``, whose ResourceManager's
+    address lives in the Hadoop configuration that spark-submit reads (a missing one is its own error).
+    """
+    where = target.where
+    if target.remote:
+        return "sc", [_address(target, where, ENDPOINT_KINDS["sc"][1])]
+    if where.startswith("spark://"):
+        return "spark", [_address(target, "spark://" + part.strip(), None) for part in where[len("spark://"):].split(",")]
+    if where.startswith("k8s://"):
+        url = where[len("k8s://"):]
+        return "k8s", [_address(target, url if "://" in url else "https://" + url, None)]
+    return "", []
+
+
+def _address(target: SparkTarget, url: str, default_port: int | None) -> tuple[str, int]:
+    try:
+        parts = urlsplit(url)
+        port = parts.port or default_port or {"https": 443, "http": 80}.get(parts.scheme)
+    except ValueError:
+        port = None
+        parts = None
+    if parts is None or not parts.hostname or not port:
+        raise SparkConnectionError(
+            "%s names %r, which has no host and port to connect to. Write it as spark://host:7077, "
+            "k8s://https://host:443 or sc://host:15002." % (target.described(), url))
+    return parts.hostname, port
+
+
+def check_reachable(target: SparkTarget) -> None:
+    """Raise ``SparkConnectionError`` unless one of ``target``'s endpoints accepts a TCP connection within its
+    ``connect_timeout``: before any JVM starts, instead of Spark's 3 x 20 s and a py4j stack (``spark://``) or
+    retries for minutes (Spark Connect)."""
+    kind, addresses = endpoints(target)
+    if not addresses:
+        return
+    failures = _probe(addresses, target.connect_timeout)
+    if failures is None:
+        return
+    what, _, fix = ENDPOINT_KINDS[kind]
+    raise SparkConnectionError(
+        "Cannot reach %s of %s within connect_timeout=%g s: %s. No Spark was started. %s The Airflow worker "
+        "must reach it over TCP (a firewall that drops packets looks like a timeout); on a slow network raise "
+        "the connection's extra %r (seconds)." % (what, target.described(), target.connect_timeout,
+                                                  "; ".join(failures), fix, CONNECT_TIMEOUT_EXTRA))
+
+
+def _probe(addresses: list[tuple[str, int]], timeout: float) -> list[str] | None:
+    """``None`` as soon as one address accepts a TCP connection within ``timeout`` (all are tried at once);
+    else why each did not."""
+    answers: queue.Queue[tuple[tuple[str, int], str | None]] = queue.Queue()
+    for address in addresses:
+        threading.Thread(target=_connect, args=(address, timeout, answers), name="hvd-master-probe",
+                         daemon=True).start()
+    deadline = time.monotonic() + timeout
+    why: dict[tuple[str, int], str] = {}
+    while len(why) < len(addresses):
+        try:
+            address, failure = answers.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if failure is None:
+            return None
+        why[address] = failure
+    silent = "did not answer within %g s" % timeout
+    return ["%s:%d %s" % (host, port, why.get((host, port), silent)) for host, port in addresses]
+
+
+def _connect(address: tuple[str, int], timeout: float, answers: queue.Queue) -> None:
+    try:
+        with socket.create_connection(address, timeout=timeout):
+            failure = None
+    except TimeoutError:
+        failure = "did not answer within %g s" % timeout
+    except ConnectionRefusedError:
+        failure = "refused the connection (nothing listens on that port)"
+    except socket.gaierror as err:
+        failure = "does not resolve (%s)" % err.strerror
+    except OSError as err:
+        failure = "cannot be reached (%s)" % (err.strerror or err)
+    answers.put((address, failure))
 
 
 @contextlib.contextmanager
@@ -513,27 +697,44 @@ class _JvmLines(threading.Thread):
     """
 
     POLL_S = 0.2
+    TAIL = 8  # the lines an error quotes when the JVM exits before its gateway started
 
     def __init__(self, read_fd: int, logger: logging.Logger) -> None:
         super().__init__(name="hvd-jvm-log", daemon=True)
         self._fd = read_fd
         self._logger = logger
         self._level = logging.INFO
+        self._tail: deque[str] = deque(maxlen=self.TAIL)
+        self._ending = threading.Event()
 
     def run(self) -> None:
         pending = b""
-        while True:  # for the life of this process: the JVM may write until it ends
-            chunk = os.read(self._fd, 1 << 16)
-            if not chunk:
-                time.sleep(self.POLL_S)
-                continue
-            *lines, pending = (pending + chunk).split(b"\n")
-            for raw in lines:
-                self._line(raw.decode("utf-8", errors="replace"))
+        try:
+            while True:  # for the life of this process (the JVM may write until it ends), or until finish()
+                chunk = os.read(self._fd, 1 << 16)
+                if not chunk:
+                    if self._ending.is_set():
+                        break
+                    time.sleep(self.POLL_S)
+                    continue
+                *lines, pending = (pending + chunk).split(b"\n")
+                for raw in lines:
+                    self._line(raw.decode("utf-8", errors="replace"))
+            self._line(pending.decode("utf-8", errors="replace"))
+        finally:
+            os.close(self._fd)
+
+    def finish(self, timeout: float = 5.0) -> list[str]:
+        """Once the JVM has exited: log the rest of its output, stop, and return its last lines (no frames)."""
+        self._ending.set()
+        self.join(timeout)
+        return list(self._tail)
 
     def _line(self, line: str) -> None:
         if not line.strip():
             return
+        if not JVM_FRAME_LINE.match(line):
+            self._tail.append(line.rstrip())
         if JVM_STACK_LINE.match(line):  # the provider's own error says what failed and what to do
             self._logger.debug("%s", line)
             return
@@ -593,6 +794,21 @@ def _history_server(conn_id: str, extras: dict[str, Any]) -> str | None:
             "\"http://history.example.com:18080\"; got %r." % (HISTORY_SERVER_EXTRA, conn_id, value)
         )
     return value.strip().rstrip("/")
+
+
+def _connect_timeout(conn_id: str, extras: dict[str, Any]) -> float:
+    value = extras.get(CONNECT_TIMEOUT_EXTRA)
+    if value in (None, ""):
+        return CONNECT_TIMEOUT_S
+    try:
+        seconds = float(value) if not isinstance(value, bool) else -1.0
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise SparkConnectionError(
+            "Extra %r of connection %r must be a number of seconds above 0 (how long to wait for the master to "
+            "accept a connection; %g by default); got %r." % (CONNECT_TIMEOUT_EXTRA, conn_id, CONNECT_TIMEOUT_S, value))
+    return seconds
 
 
 def _master_url(conn: Connection) -> str:

@@ -239,3 +239,184 @@ def test_no_spark_ui_link_without_an_event_log(monkeypatch, spark):
     assert spark.conf.get("spark.eventLog.enabled", "false") == "false"
     assert hook.history_server_url(spark) is None
     assert HorovodRunnerHook("spark_default").history_server_url(spark) is None  # no connection: no link
+
+
+# -- Spark's failures in our words: a master that is not there, a JVM that does not start ----------
+@pytest.fixture
+def closed_port():
+    """A port of 127.0.0.1 bound but not listening: a connection is refused, and nothing else takes it meanwhile."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def silent_port():
+    """A port of 127.0.0.1 whose accept queue is full: the kernel drops further SYNs, as a firewall would."""
+    import socket
+
+    with socket.socket() as server, socket.socket() as filler:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        filler.connect(server.getsockname())  # the one connection the queue holds, never accepted
+        yield server.getsockname()[1]
+
+
+@pytest.fixture
+def listening_port():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield server.getsockname()[1]
+
+
+def test_masters_that_do_not_answer_are_each_named_within_the_connect_timeout(closed_port, silent_port):
+    import time
+
+    from airflow_provider_horovod.hooks.horovod import SparkTarget, check_reachable
+
+    master = "spark://127.0.0.1:%d,127.0.0.1:%d" % (closed_port, silent_port)
+    started = time.monotonic()
+    with pytest.raises(SparkConnectionError) as raised:
+        check_reachable(SparkTarget(conn_id="spark_x", master=master, connect_timeout=0.5))
+    assert time.monotonic() - started < 3
+    assert str(raised.value).startswith(
+        "Cannot reach the Spark master of connection 'spark_x' (master %s) within connect_timeout=0.5 s: "
+        "127.0.0.1:%d refused the connection (nothing listens on that port); 127.0.0.1:%d did not answer "
+        "within 0.5 s. No Spark was started. Start the master" % (master, closed_port, silent_port))
+    assert "raise the connection's extra 'connect_timeout' (seconds)" in str(raised.value)
+
+
+def test_one_answering_master_of_several_is_enough_without_waiting_for_the_others(closed_port, silent_port,
+                                                                                   listening_port):
+    import time
+
+    from airflow_provider_horovod.hooks.horovod import SparkTarget, check_reachable
+
+    master = "spark://127.0.0.1:%d,127.0.0.1:%d,127.0.0.1:%d" % (silent_port, closed_port, listening_port)
+    started = time.monotonic()
+    check_reachable(SparkTarget(conn_id="spark_x", master=master, connect_timeout=20))
+    assert time.monotonic() - started < 5  # the silent master's 20 s are not waited for
+
+
+@pytest.mark.parametrize(("master", "remote", "kind", "addresses"), [
+    ("local[2]", None, "", []),
+    ("yarn", None, "", []),  # its ResourceManager is in the Hadoop configuration spark-submit reads
+    ("spark://m1:7077,m2:7078", None, "spark", [("m1", 7077), ("m2", 7078)]),
+    ("spark://[::1]:7077", None, "spark", [("::1", 7077)]),
+    ("k8s://https://kube.example:6443", None, "k8s", [("kube.example", 6443)]),
+    ("k8s://kube.example", None, "k8s", [("kube.example", 443)]),  # Spark: no scheme means https
+    ("k8s://http://kube.example", None, "k8s", [("kube.example", 80)]),
+    (None, "sc://connect.example:15003/;token=t", "sc", [("connect.example", 15003)]),
+    (None, "sc://connect.example", "sc", [("connect.example", 15002)]),
+])
+def test_what_must_answer_before_a_session_depends_on_the_master(master, remote, kind, addresses):
+    from airflow_provider_horovod.hooks.horovod import SparkTarget, endpoints
+
+    assert endpoints(SparkTarget(conn_id="spark_x", master=master, remote=remote)) == (kind, addresses)
+
+
+def test_a_standalone_master_url_without_a_port_is_refused_before_spark():
+    from airflow_provider_horovod.hooks.horovod import SparkTarget, check_reachable
+
+    with pytest.raises(SparkConnectionError, match=r"connection 'spark_x' \(master spark://m1\) names 'spark://m1', "
+                                                   r"which has no host and port.*spark://host:7077"):
+        check_reachable(SparkTarget(conn_id="spark_x", master="spark://m1"))
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(None, 10.0), ("2.5", 2.5), (30, 30.0)])
+def test_the_connect_timeout_extra_bounds_the_wait_for_the_master(monkeypatch, value, seconds):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="spark://m:7077",
+         extra={} if value is None else {"connect_timeout": value})
+    target = HorovodRunnerHook("spark_x").resolve_target()
+    assert (target.connect_timeout, target.conf) == (seconds, {})
+
+
+@pytest.mark.parametrize("value", ["soon", 0, -1, True, "inf"])
+def test_a_connect_timeout_that_is_not_seconds_is_refused(monkeypatch, value):
+    conn(monkeypatch, "spark_x", conn_type="spark", host="spark://m:7077", extra={"connect_timeout": value})
+    with pytest.raises(SparkConnectionError, match="Extra 'connect_timeout' of connection 'spark_x' must be a number "
+                                                   "of seconds above 0"):
+        HorovodRunnerHook("spark_x").resolve_target()
+
+
+# Each case: HorovodRunnerHook(conn_id).get_conn() with these environment variables (None: unset). One fresh
+# interpreter for all (a JVM may already run in this one, and a Python with Airflow and PySpark takes seconds).
+GET_CONN = """
+import json, os, sys, time
+from pyspark import SparkContext
+from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
+results = {}
+for conn_id, env in json.loads(sys.argv[1]):
+    before = dict(os.environ)
+    for key, value in env.items():
+        os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    started = time.monotonic()
+    try:
+        HorovodRunnerHook(conn_id).get_conn()
+        error = None
+    except Exception as err:
+        error = "%s: %s" % (type(err).__name__, err)
+    results[conn_id] = {"error": error, "seconds": time.monotonic() - started, "jvm": SparkContext._gateway is not None}
+    os.environ.clear()
+    os.environ.update(before)
+print(json.dumps(results))
+"""
+NO_YARN = {"HADOOP_CONF_DIR": None, "YARN_CONF_DIR": None, "SPARK_TESTING": None}
+WRONG_JAVA = {"JAVA_HOME": "/nonexistent/jdk"}
+GONE, DEFAULT_YARN, LOCAL = "spark_gone", "spark_default", "spark_local"
+
+
+@pytest.fixture(scope="module")
+def get_conn_errors(tmp_path_factory):
+    """Real failures of a session's start, each in a Python with no JVM yet: a master nobody listens on (a bound,
+    not listening port of 127.0.0.1), the default connection's yarn without HADOOP_CONF_DIR, a wrong JAVA_HOME."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        master = "spark://127.0.0.1:%d" % closed.getsockname()[1]
+        conns = {GONE: {"conn_type": "spark", "host": master},
+                 DEFAULT_YARN: {"conn_type": "spark", "host": "yarn", "extra": {"queue": "root.default"}},
+                 LOCAL: {"conn_type": "spark", "host": "local[1]"}}
+        environ = {k: v for k, v in os.environ.items() if k not in NO_YARN}
+        environ["AIRFLOW_HOME"] = str(tmp_path_factory.mktemp("airflow"))
+        environ.update({"AIRFLOW_CONN_%s" % conn_id.upper(): json.dumps(fields) for conn_id, fields in conns.items()})
+        cases = [(GONE, {}), (DEFAULT_YARN, {}), (LOCAL, WRONG_JAVA)]
+        proc = subprocess.run([sys.executable, "-c", GET_CONN, json.dumps(cases)], capture_output=True, text=True,
+                              timeout=120, env=environ)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]), master=master)
+
+
+def test_a_master_nobody_listens_on_fails_at_once_naming_the_connection_before_any_jvm(get_conn_errors):
+    """Spark's own client would try for 3 x 20 s and end in a py4j stack."""
+    got, master = get_conn_errors[GONE], get_conn_errors["master"]
+    assert got["error"].startswith(
+        "SparkConnectionError: Cannot reach the Spark master of connection 'spark_gone' (master %s) within "
+        "connect_timeout=10 s: %s refused the connection" % (master, master[len("spark://"):]))
+    assert "Start the master, or set the connection's host to the URL its web UI shows" in got["error"]
+    assert got["seconds"] < 3 and not got["jvm"]
+
+
+@pytest.mark.parametrize(("conn_id", "master", "printed", "fix"), [
+    pytest.param(DEFAULT_YARN, "yarn", "When running with master 'yarn' either HADOOP_CONF_DIR or YARN_CONF_DIR must be set",
+                 "Set HADOOP_CONF_DIR (or YARN_CONF_DIR) in the Airflow worker's environment", id="default-yarn-trap"),
+    pytest.param(LOCAL, "local[1]", "/nonexistent/jdk/bin/java: No such file or directory",
+                 "Spark 4 needs a Java 17 or newer runtime on the Airflow worker: point JAVA_HOME at one",
+                 id="wrong-java-home"),
+])
+def test_a_spark_submit_that_exits_names_the_connection_its_master_and_what_it_printed(get_conn_errors, conn_id,
+                                                                                       master, printed, fix):
+    got = get_conn_errors[conn_id]
+    assert got["error"].startswith(
+        "SparkConnectionError: Spark's JVM for connection %r (master %s) exited before the SparkSession existed "
+        "(PySpark's JAVA_GATEWAY_EXITED). The last lines spark-submit printed:\n" % (conn_id, master))
+    said, _, advice = got["error"].partition("printed:\n")[2].rpartition("\n")
+    assert printed in said and advice.startswith(fix)
+    assert ("airflow connections delete spark_default" in advice) == (conn_id == DEFAULT_YARN)
+    assert not got["jvm"]

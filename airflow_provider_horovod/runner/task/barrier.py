@@ -422,8 +422,8 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
     partition = ctx.partitionId()
     executor = ctx.getTaskInfos()[partition].address
     names.sweep_orphans()
+    janitor = procs.start_janitor()  # Spark may SIGKILL this worker: its folder and keys still go at once
     task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "p%d" % partition, os.getpid())))
-    janitor = procs.start_janitor()  # Spark may SIGKILL this worker: the folder and keys still go at once
     def stop() -> None:  # the driver said stop: say what the OS sees of the ranks (a stall's forensics), then kill
         rank_states.report(client, partition)
         procs.kill_all()

@@ -120,9 +120,9 @@ DATASET_FILE = "dataset.arrow"  # the task's partition of dataset=, for the rank
 
 # Temporary folders are named after the process that owns them, so a later task can remove those
 # whose owner died without cleaning up (a Python worker killed with its executor, SIGKILL).
-TASK_DIR_PREFIX = "hvdrunner-%s-%s-%d-"  # run id, "p<partition>" or "local", owner pid
+TASK_DIR_PREFIX = "hvdrunner-%s-%s-%d-"  # run id ("<run>-<n>" after a restart), "p<partition>" or "local", owner pid
 SESSION_DIR_PREFIX = "hvdo-%d-"  # an orted's Open MPI session directory; owner pid (kept short)
-_OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+-(?:p\d+|local)|hvdo)-(\d+)-")
+_OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+(?:-\d+)?-(?:p\d+|local)|hvdo)-(\d+)-")
 
 
 def new_temp_dir(prefix: str) -> Path:

@@ -383,12 +383,15 @@ def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horo
     return result
 
 
-def preemptible_job(steps: int = 12, pause: float = 0.3, marker: str = "", with_dataset: bool = False):
+def preemptible_job(steps: int = 12, pause: float = 0.3, marker: str = "", with_dataset: bool = False,
+                    notice: str = "decommission"):
     """Rank 0 commits a version only when the ranks agree, through an allreduce, that the attempt is
     being preempted (``runtime.preempting()``), then every rank waits for the loss. In attempt 0,
-    rank 1 writes its executor JVM's pid to ``marker`` after step 3 (for the driver to decommission
-    its worker and kill it later) and training goes on until the notice. Returns where it started,
-    the attempt and the size (``with_dataset``: and the rows of rank 0's shard)."""
+    after step 3, rank 1 either writes its executor JVM's pid to ``marker`` (``notice="decommission"``:
+    for the driver to decommission its worker and kill it later) or sends SIGTERM to its barrier task
+    (``notice="sigterm"``: gloo, torch, whose rank is the task's child), and training goes on until
+    the notice. Returns where it started, the attempt and the size (``with_dataset``: and the rows of
+    rank 0's shard)."""
     import horovod.torch as hvd
     import psutil
     import torch
@@ -406,7 +409,9 @@ def preemptible_job(steps: int = 12, pause: float = 0.3, marker: str = "", with_
                 (runtime.checkpoint_dir() / "step.txt").write_text(str(step))
                 runtime.commit_checkpoint(step=step)
             time.sleep(600)  # the loss ends this attempt
-        if runtime.attempt() == 0 and step == 3 and hvd.rank() == 1:
+        if runtime.attempt() == 0 and step == 3 and hvd.rank() == 1 and notice == "sigterm":
+            os.kill(os.getppid(), signal.SIGTERM)
+        elif runtime.attempt() == 0 and step == 3 and hvd.rank() == 1:
             java = next(p for p in psutil.Process().parents() if p.name() == "java")
             with open(marker + ".tmp", "w") as f:
                 f.write(str(java.pid))

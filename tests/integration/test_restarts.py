@@ -4,6 +4,7 @@ executor JVM killed on a standalone cluster is in tests/integration/test_cluster
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -32,6 +33,27 @@ def test_restarts_run_out_with_an_error_naming_every_attempts_cause_and_the_vers
     steps = [v["step"] for v in runner.last_run.checkpoints if v["step"] is not None]
     assert second["resumed_from"]["step"] >= 3 and max(steps) >= second["resumed_from"]["step"] + 3
     assert committed(tmp_path)[-1][0].step == max(steps)  # the newest version is still there, on the driver
+
+
+def test_a_task_told_to_terminate_tells_every_rank_and_the_restart_resumes_from_the_version_committed_for_it(
+        spark, tmp_path, no_leftover_processes):
+    """SIGTERM to rank 1's barrier task (YARN preempting its container, a batch scheduler's job end):
+    every rank sees runtime.preempting(), rank 0 commits the step they agreed on, the task ends
+    preempt_grace_s later, and the restart loses no step."""
+    runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=tmp_path, max_restarts=1)
+    runner.deadlines = dataclasses.replace(runner.deadlines, preempt_grace_s=2.0)
+    result = runner.run(jobs.preemptible_job, notice="sigterm")
+    lost, restarted = runner.last_run.attempts
+    assert (lost["ending"], restarted["ending"]) == ("lost", "success")
+    assert "was told to terminate (SIGTERM)" in lost["cause"]
+    (notice,) = [e for e in runner.last_run.events if e.get("kind") == "preempting"]
+    assert len(notice["executors"]) == 1
+    assert [e["partition"] for e in runner.last_run.events if e.get("kind") == "terminating"] == [1]
+    # the one version of attempt 0 holds the step every rank agreed the notice came (step 3 or later), and
+    # the restart resumed from it: no step lost
+    (version,) = [v["step"] for v in runner.last_run.checkpoints if v["step"] is not None]
+    assert restarted["resumed_from"]["step"] == version >= 3
+    assert result == {"start": version + 1, "attempt": 1, "size": 2}
 
 
 def test_a_user_exception_fails_once_and_never_restarts(spark, no_leftover_processes):

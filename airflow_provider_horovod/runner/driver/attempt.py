@@ -147,7 +147,7 @@ class Attempt:
         self.secret = wire.new_secret()
         self.channel = Channel(self.secret, run_id=self.run_id, on_event=self.events.put, artifact_staging=staging,
                                resume_root=self.resume_from, limits=runner.artifact_limits, versions=sink,
-                               on_report=runner.on_report,
+                               on_report=runner.on_report, on_terminating=self._terminating,
                                output=RankOutput(stream_all=verbosity(runner) == "all"))
         self.supervisor: Supervisor | None = None
         self.workers_python = "python3"  # what the executors were asked to run, for the error that names it
@@ -156,6 +156,7 @@ class Attempt:
         self.versions_at_notice = 0  # how many versions the run had committed then
         self.sink = sink
         self._watch: DecommissionWatch | None = None
+        self._notice_lock = threading.Lock()
 
     def run(self) -> Any:
         """Plan, start, supervise and collect: rank 0's return value, or the error that says what happened."""
@@ -222,6 +223,7 @@ class Attempt:
             has_resume=self.resume_from is not None,
             resume_local=str(self.resume_from) if (self.resume_from is not None and self.np < 0) else None,
             attempt=self.number,
+            preempt_grace_s=self.runner.deadlines.preempt_grace_s,
         )
 
     def _run_local(self, spec: RunSpec, channel: Channel, events: queue.Queue) -> Supervisor:
@@ -434,15 +436,22 @@ class Attempt:
                         self.runner.start_timeout)
         return size
 
-    def _preempting(self, executors: list[str]) -> None:
+    def _preempting(self, executors: list[str], why: str = "Spark is decommissioning executor %s") -> None:
         """Spark is decommissioning ``executors``: every task tells its ranks (``runtime.preempting()``),
-        so rank 0 can commit a version before the loss; a restart waits ``preempt_grace_s`` for it."""
-        self.preempted_at = time.monotonic()
+        so rank 0 can commit a version before the loss; a restart waits ``preempt_grace_s`` for it.
+        The first notice of the attempt counts; a later one changes nothing."""
+        with self._notice_lock:
+            if self.preempted_at is not None:
+                return
+            self.preempted_at = time.monotonic()
         self.versions_at_notice = len(self.sink.committed) if self.sink is not None else 0
-        log.warning("Spark is decommissioning executor %s: every rank of attempt %d is told (runtime.preempting())",
-                    ", ".join(executors), self.number)
+        log.warning(why + ": every rank of attempt %d is told (runtime.preempting())", ", ".join(executors), self.number)
         self.channel.record({"kind": "preempting", "executors": executors})
         self.channel.send_tasks(messages.Preempting())
+
+    def _terminating(self, executor: str) -> None:
+        """A barrier task on ``executor`` was told to terminate (SIGTERM): the same notice."""
+        self._preempting([executor], "The barrier task on executor %s was told to terminate (SIGTERM)")
 
     def _ranks_started(self) -> None:
         self.ranks_started_at = time.monotonic()

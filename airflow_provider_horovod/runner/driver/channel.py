@@ -166,10 +166,12 @@ class Channel:
         limits: Limits = Limits(),
         versions: Any = None,
         on_report: Callable[[Report], None] | None = None,
+        on_terminating: Callable[[str], None] | None = None,
     ) -> None:
         """``versions``: where rank 0's checkpoint versions are committed (``versions.VersionSink``);
         ``on_report``: called with rank 0's reports (``runtime.report``), at most one every
-        ``REPORT_INTERVAL_S`` (the newest), from a thread of the channel's own."""
+        ``REPORT_INTERVAL_S`` (the newest), from a thread of the channel's own; ``on_terminating``:
+        called with the executor of a task that was told to terminate (SIGTERM: ``task/termination.py``)."""
         self._versions = versions
         self._reports = ReportGate(on_report) if on_report is not None else None
         self._rank_conns: collections.Counter[str] = collections.Counter()
@@ -180,6 +182,7 @@ class Channel:
         self._artifacts_task_dir: str | None = None  # the one folder artifacts may be copied from
         self._resume_due: set[int] = set()  # the host leaders that have not fetched resume_from yet
         self._on_event = on_event
+        self._on_terminating = on_terminating
         self._output = output or RankOutput(stream_all=True)
         self._artifact_staging = artifact_staging
         self._resume_root = resume_root
@@ -374,6 +377,8 @@ class Channel:
             self._emit(events.RankFailed(msg.failure))
         elif isinstance(msg, messages.Event):
             self._record_sent(msg)
+            if msg.kind == "terminating" and self._on_terminating is not None:
+                self._on_terminating(msg.executor or "?")
         elif isinstance(msg, Report):
             self._report(msg)
         elif isinstance(msg, messages.Beat):

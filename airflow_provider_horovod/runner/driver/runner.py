@@ -288,7 +288,7 @@ class HorovodRunner:
             log.info("Run %s, %s", report.run_id, record.describe())
 
     def _await_preempted_version(self, attempt: Attempt, sink: VersionSink | None) -> None:
-        """After a decommission notice, the version rank 0 committed for it may still be on its way:
+        """After a preemption notice, the version rank 0 committed for it may still be on its way:
         wait for it, ``preempt_grace_s`` from the notice at most, before resuming from the newest."""
         if attempt.preempted_at is None or sink is None:
             return
@@ -297,7 +297,7 @@ class HorovodRunner:
                and not self._cancelled.is_set()):
             time.sleep(0.05)
         if len(sink.committed) <= attempt.versions_at_notice:
-            log.warning("No checkpoint version came within preempt_grace_s=%gs of the decommission notice; the restart "
+            log.warning("No checkpoint version came within preempt_grace_s=%gs of the preemption notice; the restart "
                         "resumes from the newest one before it", self.deadlines.preempt_grace_s)
 
     def _resume_point(self, sink: VersionSink | None, number: int) -> tuple[Path | None, dict[str, Any] | None]:

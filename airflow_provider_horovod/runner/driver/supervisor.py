@@ -78,7 +78,7 @@ class Deadlines:
     cut_off_join_s: float = 30.0  # after cutting the job off, how long to wait for Spark to return
     cancel_bound_s: float = 10.0  # a cancelled run leaves no process after this long (a promise)
     lost_task_grace_s: float = 3.0  # Spark failed the job first: how long the channel may still name the task lost
-    preempt_grace_s: float = 10.0  # after a decommission notice, how long a restart waits for rank 0's version
+    preempt_grace_s: float = 10.0  # after a preemption notice (decommission, SIGTERM), how long a restart waits for rank 0's version; a task told to terminate lives as long
     stall_s: float = 600.0  # no rank made progress for this long: a stall (the user's stall_timeout, stalls.py)
 
     def __post_init__(self) -> None:

@@ -48,6 +48,7 @@ from airflow_provider_horovod.runner.rank.keras_guard import LEGACY_KERAS_ENV
 from airflow_provider_horovod.runner.readiness import shm_of_this_host, shm_refusal
 from airflow_provider_horovod.runner.task import rank_states
 from airflow_provider_horovod.runner.task.shipper import ship_checkpoints
+from airflow_provider_horovod.runner.task.termination import SigtermNotice
 
 WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.rank.worker"]
 
@@ -75,6 +76,7 @@ class RunSpec:
     resume_local: str | None = None  # np < 0: the folder itself, on the driver
     dataset: DatasetSpec | None = None  # dataset=: each task spills its partition for its rank
     attempt: int = 0  # which attempt of the run (runtime.attempt())
+    preempt_grace_s: float = 10.0  # a task told to terminate (SIGTERM) lives this long at most (``termination``)
 
 
 def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
@@ -438,6 +440,7 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
     endpoint = task_endpoint(client.source_address, executor)  # one rule for Gloo and mpirun
     client.send(messages.Hello(partition, executor))
     services = None
+    terminating = SigtermNotice(client, task.path, partition, executor, spec.preempt_grace_s)
     try:
         task.payload.write_bytes(spec.payload)
         env = base_env(spec, task)
@@ -480,6 +483,7 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
         client.close()
         shutil.rmtree(task.path, ignore_errors=True)
         procs.stop_janitor(janitor)
+        terminating.close()
 
 
 def spark_task(spec: bytes, batches: Iterable[Any]) -> Iterable[Any]:

@@ -120,19 +120,18 @@ DATASET_FILE = "dataset.arrow"  # the task's partition of dataset=, for the rank
 
 # Temporary folders are named after the process that owns them, so a later task can remove those
 # whose owner died without cleaning up (a Python worker killed with its executor, SIGKILL).
-TASK_DIR_PREFIX = "hvdrunner-%s-%s-%d-"  # run id, "p<partition>" or "local", owner pid
+TASK_DIR_PREFIX = "hvdrunner-%s-%s-%d-"  # run id ("<run>-<n>" after a restart), "p<partition>" or "local", owner pid
 SESSION_DIR_PREFIX = "hvdo-%d-"  # an orted's Open MPI session directory; owner pid (kept short)
-_OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+-(?:p\d+|local)|hvdo)-(\d+)-")
+_OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+(?:-\d+)?-(?:p\d+|local)|hvdo)-(\d+)-")
 
 
 def new_temp_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
 
 
-def sweep_orphans(root: str | None = None) -> list[str]:
-    """Remove this user's task and session folders whose owning process is gone; return their names."""
-    import psutil
-
+def sweep_orphans(root: str | None = None, owner: int | None = None) -> list[str]:
+    """Remove this user's task and session folders whose owning process is gone; return their names.
+    ``owner``: only the folders of that process, which the caller saw end (the janitor, ``procs``)."""
     root = root or tempfile.gettempdir()
     removed = []
     with contextlib.suppress(OSError):
@@ -140,12 +139,27 @@ def sweep_orphans(root: str | None = None) -> list[str]:
             found = _OWNED.match(entry.name)
             if found is None or not entry.is_dir(follow_symlinks=False):
                 continue
+            pid = int(found.group(1))
+            if owner is not None and pid != owner:
+                continue
             with contextlib.suppress(OSError):
-                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or psutil.pid_exists(int(found.group(1))):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or (owner is None and _exists(pid)):
                     continue
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.name)
     return removed
+
+
+def _exists(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid)
+
+
+def children_env() -> dict[str, str]:
+    """What of this process's environment reaches a process the task starts (``passes_to_ranks``)."""
+    passed = os.environ.get(ENV_PASS, "")
+    return {k: v for k, v in os.environ.items() if k not in HOROVOD_RANK_CONTRACT and passes_to_ranks(k, passed)}
 
 
 class TaskDir:

@@ -4,6 +4,14 @@
 runs ``argv`` in a new session and kills that whole session when ``PID`` (the Spark task that
 owns it) disappears or the reaper itself is told to stop. ``mpirun`` and ``orted`` are C programs
 with no watchdog of their own, so they always run under a reaper.
+
+``python -m airflow_provider_horovod.runner.procs --janitor PID ROOT`` is the *janitor* of a
+barrier task (or of the driver's local ranks): a process of its own session that outlives the task,
+which Spark may end with SIGKILL (a cancelled job, Ctrl-C in the driver) or its daemon with SIGHUP,
+so that no ``finally`` of the task runs. The moment ``PID`` ends it removes that process's task and
+session folders in ``ROOT`` (payload, keys, checkpoints), ends every process still working in them,
+and removes what they left. A task that ends as it should removes its folder itself and then stops
+its janitor (``stop_janitor``).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -20,6 +29,8 @@ import weakref
 from collections.abc import Iterable, Sequence
 
 import psutil
+
+from airflow_provider_horovod.runner import names
 
 WATCH_INTERVAL_S = 0.5
 TERM_GRACE_S = 2.0
@@ -115,7 +126,83 @@ def start_watchdog(pids: Iterable[int], on_death, interval_s: float = WATCH_INTE
     return thread
 
 
+JANITOR = [sys.executable, "-m", "airflow_provider_horovod.runner.procs", "--janitor"]
+
+
+def start_janitor(root: str | None = None) -> subprocess.Popen:
+    """Start the janitor of this process's task and session folders in ``root`` (the temp folder):
+    they go the moment this process ends, however it ends. Not one of ``spawn``'s children, so
+    ``kill_all`` leaves it to clean up after what it kills."""
+    import tempfile
+
+    return subprocess.Popen([*JANITOR, str(os.getpid()), root or tempfile.gettempdir()], env=names.children_env(),
+                            start_new_session=True, close_fds=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_janitor(janitor: subprocess.Popen) -> None:
+    """The task removed its folder itself: its janitor has nothing left to do."""
+    with contextlib.suppress(OSError):
+        janitor.kill()
+    with contextlib.suppress(Exception):
+        janitor.wait(timeout=TERM_GRACE_S)
+
+
+def wait_for_parent_end(pid: int) -> None:
+    """Return once ``pid``, this process's parent, has ended: at once through a pidfd (Linux 5.3+),
+    else within ``WATCH_INTERVAL_S``. A parent gone already (re-parented) returns at once."""
+    fd = None
+    with contextlib.suppress(AttributeError, OSError):
+        fd = os.pidfd_open(pid)
+    if fd is not None:
+        try:
+            if os.getppid() == pid:  # the pidfd is of the parent itself, not a later process with its number
+                select.select([fd], [], [])
+        finally:
+            os.close(fd)
+        return
+    while os.getppid() == pid and alive(pid):
+        time.sleep(WATCH_INTERVAL_S)
+
+
+def working_in(folders: Sequence[str]) -> list[psutil.Process]:
+    """This user's processes started for one of ``folders`` (a task's ranks, mpirun, orted, their
+    reapers and rsh agent: their environment names the task's plan or orted's session folder)."""
+    inside = tuple(os.path.join(f, "") for f in folders)
+    found = []
+    for proc in psutil.process_iter(["uids"]):
+        with contextlib.suppress(psutil.Error, TypeError):
+            if proc.pid == os.getpid() or proc.info["uids"].real != os.getuid():
+                continue
+            env = proc.environ()
+            named = (env.get(names.ENV_PLAN, ""), os.path.join(env.get("OMPI_MCA_orte_tmpdir_base", ""), ""))
+            if any(n.startswith(inside) for n in named if n):
+                found.append(proc)
+    return found
+
+
+def janitor(owner: int, root: str) -> int:
+    """Wait for ``owner`` (a barrier task, or the driver of local ranks) to end, then remove its
+    folders, end what still works in them and remove what they left behind."""
+    wait_for_parent_end(owner)
+    folders = [os.path.join(root, name) for name in names.sweep_orphans(root, owner=owner)]  # the keys go first
+    left = working_in(folders) if folders else []
+    for signalled in ("terminate", "kill"):
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                getattr(proc, signalled)()
+        deadline = time.monotonic() + STOP_GRACE_S  # not psutil.wait_procs: an orphan's zombie counts as ended
+        while left and time.monotonic() < deadline:
+            left = [p for p in left if alive(p.pid)]
+            time.sleep(0.02)
+    names.sweep_orphans(root, owner=owner)  # what an ending rank wrote meanwhile
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--janitor"]:
+        return janitor(int(argv[1]), argv[2])
     parser = argparse.ArgumentParser(prog="hvdrunner-reaper")
     parser.add_argument("--watch", type=int, required=True)
     parser.add_argument("command", nargs=argparse.REMAINDER)

@@ -47,6 +47,19 @@ def train_in_background(runner: HorovodRunner, tmp_path, job=jobs.slow_job) -> t
     return thread, errors
 
 
+def run_folders_left(runner: HorovodRunner, timeout: float = 5.0) -> list[str]:
+    """Wait until no task folder of the runner's last run is left in the temp folder; return those still there."""
+    import tempfile
+
+    prefix = "hvdrunner-%s-" % runner.last_run.run_id
+    deadline = time.monotonic() + timeout
+    while True:
+        left = sorted(n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
 def test_two_ranks_return_rank_zeros_value(spark, launcher):
     runner = HorovodRunner(2, launcher=launcher, spark=spark)
@@ -172,6 +185,7 @@ def test_cancel_mid_training_interrupts_the_job_and_leaves_no_process(spark, lau
     thread.join(30)
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], RunCancelledError)
+    assert run_folders_left(runner) == []
     assert wait_no_run_processes(10.0 - (time.monotonic() - cancelled_at) + 2) == []
     assert spark.sparkContext.statusTracker().getActiveJobsIds() == []
 
@@ -299,6 +313,7 @@ def test_rank_exits_when_its_spark_task_dies(spark, launcher, tmp_path):
     thread.join(60)
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], HorovodRunError)
+    assert run_folders_left(runner) == []  # the killed task's folder (its janitor's work) and the other's
     assert wait_no_run_processes(10.0 - (time.monotonic() - killed_at) + 5) == []
 
 
@@ -393,33 +408,78 @@ def test_without_a_reachable_driver_logs_and_errors_come_back_with_the_stage(spa
     assert info.value.rank == 1 and "boom from rank 1" in str(info.value)
 
 
-@pytest.mark.parametrize(("launcher", "np"), [("mpirun", 2), ("gloo", -2)])
-def test_sigterm_to_the_driver_cancels_the_job_and_leaves_no_process(tmp_path, launcher, np):
-    import os
-    import signal
+# Runs of one driver, each interrupted as its user would: SIGTERM to the driver (Airflow's cancel),
+# or Ctrl-C in a terminal (SIGINT to the driver's process group: PySpark's own handler cancels the
+# Spark jobs, and Spark kills the tasks' Python workers with no time to clean up). The last run's
+# Ctrl-C also ends the script, and with it the Spark JVM and its Python workers.
+CANCEL_STEPS = [("mpirun", 2, "SIGTERM"), ("gloo", -2, "SIGTERM"), ("gloo", 2, "SIGINT"), ("torch", 2, "SIGINT"),
+                ("mpirun", 2, "SIGINT")]
+
+
+def _task_folders(root) -> list:
+    return sorted(p for p in root.iterdir() if p.name.startswith(("hvdrunner-", "hvdo-")))
+
+
+def test_sigterm_or_ctrl_c_to_the_driver_cancels_the_job_and_leaves_no_process_task_folder_or_key(tmp_path):
+    import queue
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    marker = tmp_path / "training"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.scenarios.sigterm_driver", launcher, str(np),
-                             str(marker)], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    temp = tmp_path / "tmp"  # the driver's and its tasks' temp folder: where every task folder goes
+    temp.mkdir()
+    steps = ",".join("%s:%d" % (launcher, np) for launcher, np, _ in CANCEL_STEPS)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.scenarios.sigterm_driver", steps, str(tmp_path)],
+                            cwd=root, env=dict(os.environ, PYTHONPATH=str(root), TMPDIR=str(temp)),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # a terminal's foreground process group of its own
+    lines: queue.Queue = queue.Queue()
+    output: list[str] = []
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+
+    def said(text: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                output.append(lines.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                return False
+            if output[-1].startswith(text):
+                return True
+        return False
+
     try:
-        deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-        assert marker.exists(), "training never started"
-        proc.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        output, _ = proc.communicate(timeout=60)
+        for i, (launcher, np, signame) in enumerate(CANCEL_STEPS):
+            step = "step %d (%s, np=%d, %s)" % (i, launcher, np, signame)
+            marker = tmp_path / ("step-%d" % i)
+            deadline = time.monotonic() + 120
+            while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.1)
+            assert marker.exists(), "%s: training never started\n%s" % (step, "".join(output)[-3000:])
+            first = next(p for p in _task_folders(temp) if "-p0-" in p.name or "-local-" in p.name)
+            assert (first / "payload.pkl").exists(), step  # the check below would see a folder left behind
+            if launcher == "mpirun" and np > 0:
+                assert (first / "exec.key").exists(), step
+            if signame == "SIGINT":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            assert said("CANCELLED %d:" % i, 30), "%s: not cancelled\n%s" % (step, "".join(output)[-3000:])
+            while _task_folders(temp) and time.monotonic() - sent < 5:
+                time.sleep(0.05)
+            assert _task_folders(temp) == [], step  # its payload, its keys, partition 0's exec.key
+            assert wait_no_run_processes(max(1.0, 10.0 - (time.monotonic() - sent))) == [], step
+            if i < len(CANCEL_STEPS) - 1:
+                proc.stdin.write("next\n")
+                proc.stdin.flush()
+        assert proc.wait(timeout=30) == 3, "".join(output)[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 3, output[-3000:]
-    assert "CANCELLED" in output
-    assert wait_no_run_processes(max(1.0, 10.0 - (time.monotonic() - sent))) == []
+            proc.wait()
+    assert _task_folders(temp) == []
 
 
 class _Alarm(Exception):

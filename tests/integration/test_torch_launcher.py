@@ -16,7 +16,7 @@ import pytest
 from airflow_provider_horovod import HorovodRunError, HorovodRunner, RunCancelledError
 from tests.conftest import wait_no_run_processes
 from tests.integration import torch_jobs
-from tests.integration.test_runner import train_in_background
+from tests.integration.test_runner import run_folders_left, train_in_background
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +85,7 @@ def test_cancel_mid_torch_training_interrupts_the_job_and_leaves_no_process(spar
     runner.cancel()
     thread.join(30)
     assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], RunCancelledError)
+    assert run_folders_left(runner) == []
     assert wait_no_run_processes(10.0) == []
     assert spark.sparkContext.statusTracker().getActiveJobsIds() == []
 

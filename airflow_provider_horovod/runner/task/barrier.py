@@ -90,9 +90,7 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
     Horovod's stall check; an orted passes its environment to its ranks); the user's ``env=`` may
     still set any of it otherwise. A rank's own contract comes from its launcher's ``slot_env``.
     """
-    passed = os.environ.get(names.ENV_PASS, "")
-    env = {k: v for k, v in os.environ.items()
-           if k not in names.HOROVOD_RANK_CONTRACT and names.passes_to_ranks(k, passed)}
+    env = names.children_env()
     env.update(launcher_of(spec.launcher).host_env(spec))
     env.update(spec.env)
     # Keras 2 (tf-keras) for horovod.tensorflow.keras; TensorFlow reads it at its first import
@@ -332,8 +330,10 @@ def unreachable_driver(channel: tuple[str, int], partition: int, executor: str, 
 
 
 def abort_task(task: TaskDir) -> None:
-    """The driver hung up mid-run (cancelled, or gone): stop every process of this task, remove its
-    folder, then end the task's Python worker itself, as Spark would after its kill timeout."""
+    """The driver hung up mid-run (cancelled, or gone): remove the task's folder (its keys and
+    payload) at once, stop every process of this task, then end the task's Python worker itself, as
+    Spark would after its kill timeout. Spark may kill it meanwhile: its janitor finishes the job."""
+    shutil.rmtree(task.path, ignore_errors=True)
     procs.kill_all()
     shutil.rmtree(task.path, ignore_errors=True)
     os._exit(1)
@@ -424,6 +424,7 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
     partition = ctx.partitionId()
     executor = ctx.getTaskInfos()[partition].address
     names.sweep_orphans()
+    janitor = procs.start_janitor()  # Spark may SIGKILL this worker: its folder and keys still go at once
     task = TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "p%d" % partition, os.getpid())))
     def stop() -> None:  # the driver said stop: say what the OS sees of the ranks (a stall's forensics), then kill
         rank_states.report(client, partition)
@@ -433,6 +434,7 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
                            on_stop=stop, on_preempting=lambda: preemption.announce(task.path))
     if spec.channel is not None and not client.connected:
         shutil.rmtree(task.path, ignore_errors=True)
+        procs.stop_janitor(janitor)
         raise TaskFailure(unreachable_driver(spec.channel, partition, executor, client.connect_error))
     coordinator = ChannelCoordinator(client, partition) if client.connected else SparkCoordinator(ctx)
     endpoint = task_endpoint(client.source_address, executor)  # one rule for Gloo and mpirun
@@ -480,6 +482,7 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
             services.close()
         client.close()
         shutil.rmtree(task.path, ignore_errors=True)
+        procs.stop_janitor(janitor)
         terminating.close()
 
 
@@ -501,6 +504,7 @@ def spark_task(spec: bytes, batches: Iterable[Any]) -> Iterable[Any]:
 def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:
     """``np < 0``: ``np`` rank processes on the driver, no Spark job, in the folder ``task`` (removed
     at the end). Returns rank 0's pickled result."""
+    janitor = procs.start_janitor()  # the driver killed (SIGKILL): the folder and keys still go at once
     try:
         missing = missing_programs(spec)
         if missing:
@@ -526,3 +530,4 @@ def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:
         return task.result.read_bytes()
     finally:
         shutil.rmtree(task.path, ignore_errors=True)
+        procs.stop_janitor(janitor)

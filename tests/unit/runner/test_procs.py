@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -87,3 +88,46 @@ def test_the_reaper_ends_when_a_second_sigterm_comes_while_it_is_finishing():
     finally:
         watched.kill()
         watched.wait()
+
+
+FAKE_TASK = """
+import os, subprocess, sys, tempfile, time
+from airflow_provider_horovod.runner import names, procs
+root = sys.argv[1]
+task = names.TaskDir(tempfile.mkdtemp(prefix=names.TASK_DIR_PREFIX % ("abc123", "p0", os.getpid()), dir=root))
+task.payload.write_bytes(b"payload")
+task.exec_key.write_text("key")
+janitor = procs.start_janitor(root)
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                        env=dict(os.environ, **{names.ENV_PLAN: str(task.plan)}))  # no watchdog of its own
+print(janitor.pid, rank.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_janitor_removes_a_killed_tasks_folder_and_ends_its_processes_at_once(tmp_path):
+    # Spark ends a cancelled task's Python worker with SIGKILL: no finally of the task runs
+    other = tmp_path / ((procs.names.TASK_DIR_PREFIX % ("abc123", "p1", os.getpid())) + "x")  # a live task's
+    other.mkdir()
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 env=dict(os.environ, **{procs.names.ENV_PLAN: str(other / "plan.json")}))
+    task = subprocess.Popen([sys.executable, "-c", FAKE_TASK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    rank = None
+    try:
+        janitor, rank = (int(w) for w in task.stdout.readline().split())
+        folder = next(p for p in tmp_path.iterdir() if p != other)
+        assert (folder / "exec.key").exists() and (folder / "payload.pkl").exists()
+        time.sleep(0.3)  # the janitor is up and watching
+        task.kill()
+        task.wait()
+        killed = time.monotonic()
+        while (folder.exists() or procs.alive(rank) or procs.alive(janitor)) and time.monotonic() - killed < 3:
+            time.sleep(0.02)  # at once: a pidfd, no watchdog tick; then one SIGTERM
+        assert not folder.exists() and not procs.alive(rank) and not procs.alive(janitor)
+        assert other.exists() and bystander.poll() is None  # another task's folder and processes stay
+    finally:
+        for proc in (task, bystander):
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(psutil.Error, TypeError):
+            psutil.Process(rank).kill()

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -360,6 +361,11 @@ def parser() -> argparse.ArgumentParser:
     return cli
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM ends a build as Ctrl-C does: its build folder is removed on the way out."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     frameworks = ("torch", *dict.fromkeys(args.extra))
@@ -372,4 +378,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # how scripts/setup stops the build it runs in the background
     sys.exit(main())

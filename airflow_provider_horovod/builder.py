@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -319,8 +320,22 @@ def verify(frameworks: tuple[str, ...]) -> str:
                                                " and ".join(CONTROLLERS))
 
 
-def build(frameworks: tuple[str, ...]) -> Path:
-    """Build (or take from the cache), install and verify Horovod for ``frameworks``; return the wheel."""
+def build(frameworks: tuple[str, ...], install: bool = True) -> Path:
+    """Build (or take from the cache), install and verify Horovod for ``frameworks``; return the wheel.
+    With ``install=False`` only the cached wheel is made: ``scripts/setup`` builds it while the rest
+    of the environment installs, then installs and verifies it once nothing else writes there."""
+    wheel = cached_or_built_wheel(frameworks)
+    if not install:
+        print("Horovod %s wheel cached at %s" % (HOROVOD_VERSION, wheel))
+        return wheel
+    install_wheel(wheel)
+    print(verify(frameworks), end="")
+    print("Horovod %s installed from %s" % (HOROVOD_VERSION, wheel))
+    return wheel
+
+
+def cached_or_built_wheel(frameworks: tuple[str, ...]) -> Path:
+    """The cached wheel for ``frameworks`` and the installed framework versions, built first if there is none."""
     versions = {f: installed_version(f) or "" for f in frameworks}
     key = cache_key(frameworks, versions)
     wheelhouse = cache_root() / "wheels" / key
@@ -332,9 +347,6 @@ def build(frameworks: tuple[str, ...]) -> Path:
         log.parent.mkdir(parents=True, exist_ok=True)  # a new machine has no cache yet
         print("Building Horovod %s as %s (5-10 minutes); log: %s" % (HOROVOD_VERSION, key, log), flush=True)
         wheel = build_wheel(frameworks, wheelhouse, log)
-    install_wheel(wheel)
-    print(verify(frameworks), end="")
-    print("Horovod %s installed from %s" % (HOROVOD_VERSION, wheel))
     return wheel
 
 
@@ -344,14 +356,21 @@ def parser() -> argparse.ArgumentParser:
     build_cmd = commands.add_parser("build", help="build, cache, install and verify Horovod %s" % HOROVOD_VERSION)
     build_cmd.add_argument("--with", dest="extra", action="append", default=[], choices=[TENSORFLOW],
                            help="also build Horovod's TensorFlow extension (TensorFlow must be installed)")
+    build_cmd.add_argument("--wheel-only", action="store_true",
+                           help="only build (or find) the cached wheel; install and verify nothing")
     return cli
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM ends a build as Ctrl-C does: its build folder is removed on the way out."""
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     frameworks = ("torch", *dict.fromkeys(args.extra))
     try:
-        build(frameworks)
+        build(frameworks, install=not args.wheel_only)
     except HorovodBuildError as error:
         print("airflow-horovod: %s" % error, file=sys.stderr)
         return 1
@@ -359,4 +378,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # how scripts/setup stops the build it runs in the background
     sys.exit(main())

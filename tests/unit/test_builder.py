@@ -232,3 +232,15 @@ def test_an_sdist_that_is_not_the_released_one_is_refused_by_pip_and_never_unpac
     with pytest.raises(HorovodBuildError, match="download the Horovod 0.28.1 sdist with SHA-256 92a43f5a"):
         builder.download_sdist(work)
     assert not (work / "horovod-0.28.1").exists()
+
+
+def test_wheel_only_builds_the_cached_wheel_and_installs_nothing(monkeypatch, tmp_path, capsys):
+    """What scripts/setup runs beside the package's install: nothing may be written to the venv then."""
+    monkeypatch.setenv("AIRFLOW_PROVIDER_HOROVOD_CACHE", str(tmp_path))
+    monkeypatch.setattr(builder, "installed_version", lambda name: "2.13.0+cpu")
+    built = tmp_path / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+    monkeypatch.setattr(builder, "build_wheel", lambda frameworks, wheelhouse, log: built)
+    monkeypatch.setattr(builder, "install_wheel", lambda wheel: pytest.fail("installed with --wheel-only"))
+    monkeypatch.setattr(builder, "verify", lambda frameworks: pytest.fail("verified with --wheel-only"))
+    assert builder.main(["build", "--wheel-only"]) == 0
+    assert capsys.readouterr().out.endswith("Horovod 0.28.1 wheel cached at %s\n" % built)

@@ -41,7 +41,7 @@ def test_a_task_told_to_terminate_tells_every_rank_and_the_restart_resumes_from_
     every rank sees runtime.preempting(), rank 0 commits the step they agreed on, the task ends
     preempt_grace_s later, and the restart loses no step."""
     runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=tmp_path, max_restarts=1)
-    runner.deadlines = dataclasses.replace(runner.deadlines, preempt_grace_s=2.0)
+    runner.deadlines = dataclasses.replace(runner.deadlines, preempt_grace_s=4.0)  # rank 0's version lands well within it
     result = runner.run(jobs.preemptible_job, notice="sigterm")
     lost, restarted = runner.last_run.attempts
     assert (lost["ending"], restarted["ending"]) == ("lost", "success")

@@ -116,6 +116,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, artifacts)")
+    parser.add_argument("--workers", type=int, default=3,
+                        help="one-core workers in the cluster (3: none to spare for np=3; 4: one spare executor)")
     args = parser.parse_args()
     os.environ.update(SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
     from tests import jvm
@@ -129,7 +131,8 @@ def main() -> None:
     bench.mkdir()
     (root / "cluster").mkdir()
     print_load("at the start")
-    cluster = StandaloneCluster(root / "cluster", workers=3).start()
+    print("a standalone cluster of %d one-core workers for np=3" % args.workers)
+    cluster = StandaloneCluster(root / "cluster", workers=args.workers).start()
     stop = threading.Event()
     kills: dict[str, float] = {}
     rounds: list[dict[str, float]] = []

@@ -72,7 +72,6 @@ def hvd_deploy_stop():
     until_timeout()
 
 
-# params: the test's s3:// variant triggers with {"artifact_root": <s3 root>, "fail_first": false}
 @dag(schedule=None, start_date=START, catchup=False, tags=["hvd-deployment-test"],
      params={"artifact_root": "", "fail_first": True})
 def hvd_deploy_crash():

@@ -271,7 +271,11 @@ def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newe
         return
 
     # a Clear starts from scratch (resume_on_clear=False, the default), as Airflow means it, although the
-    # state store (kept by a Clear on Airflow 3.3) and the store both hold try 3's checkpoint
+    # state store (kept by a Clear on Airflow 3.3) and the store both hold try 3's checkpoint. The Clear
+    # waits for the scheduler to end the run: the task's success shows before that, and a Clear of a run
+    # still running does not requeue it (clear_task_instances requeues finished runs only), so the
+    # scheduler ended it as successful with the cleared task never scheduled (seen 1 run in 3).
+    api.wait_run(dag_id, run_id, timeout=60)
     api.clear(dag_id, run_id, ["crash"])
     api.wait_task(dag_id, run_id, "crash", ["success", "failed"], timeout=420, try_number=4)
     assert api.task_instance(dag_id, run_id, "crash")["state"] == "success"

@@ -370,6 +370,7 @@ class Deployment:
         self.procs: dict[str, subprocess.Popen] = {}
         self._api: Api | None = None
         self.shared_spark: Any = None  # a StandaloneCluster behind a connection, when the fixture starts one
+        self.s3_root: str | None = None  # an s3:// root on a real S3 server, when the fixture gives one
         self.env = {
             **os.environ,
             "AIRFLOW_HOME": str(self.home),
@@ -489,3 +490,11 @@ class Deployment:
     def artifact_folder(self, dag_id: str, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> Path:
         task = task_id if map_index < 0 else "%s/map-%d" % (task_id, map_index)
         return self.artifacts / dag_id / run_id / task / ("try-%d" % try_number)
+
+    def stored_try(self, dag_id: str, run_id: str, task_id: str, try_number: int, root: str | None = None) -> Any:
+        """One try's folder as the store's own reading code sees it (an ``ObjectStoragePath``), under
+        ``root`` (a task's own ``artifact_root``, e.g. ``s3_root``) or the deployment's artifact root."""
+        from airflow_provider_horovod import store
+
+        task = store.task_folder(root or "file://%s" % self.artifacts, dag_id, run_id, task_id)
+        return store.try_folder(task, try_number)

@@ -111,21 +111,6 @@ def test_a_version_without_its_marker_is_never_offered(tmp_path, artifact_root):
     assert store.newest_checkpoint(try1).seq == 1
 
 
-def test_a_full_store_keeps_the_previous_version_newest_and_names_the_path_and_cause(tmp_path):
-    try1 = prepare(tmp_path, 1)
-    version, local = local_version(tmp_path, 1, {"model.pt": b"one"})
-    store.commit_version(try1, local, version, keep=2)
-    second, local2 = local_version(tmp_path, 2, {"a.pt": b"first file fits", "model.pt": b"two"})
-    target = Path(str(store.Layout(try1).version(2).path))
-    target.mkdir(parents=True)
-    (target / "model.pt").symlink_to("/dev/full")  # the disk fills up at the version's second file
-    with pytest.raises(ArtifactError, match=r"version 2 to .*versions/000002 \(OSError: .*No space left on device"):
-        store.commit_version(try1, local2, second, keep=2)
-    assert (target / "a.pt").exists()  # half a version is there, but without its marker ...
-    assert [v.seq for v, _ in store.versions(try1)] == [1]  # ... so it is never offered
-    assert (store.newest_checkpoint(try1).path / "model.pt").read_bytes() == b"one"
-
-
 class StateStore:
     """Airflow 3.3's TaskStateStoreAccessor as the operator sees it: get(key, default), set(key, value)."""
 
@@ -203,29 +188,53 @@ def test_one_request_per_metrics_commit(s3_server):
     assert [r["step"] for r in store.read_metrics(folder, max_rows=100)] == list(range(10))
 
 
-@pytest.fixture
-def gate(s3_server, monkeypatch):
-    """The S3 server behind a gate that cuts the store off mid-commit, as connection ``hvd_s3_gate``."""
+class FailingStore:
+    """An artifact root that fails for real at one object of a commit, until ``reopen()``: on ``file://``
+    the disk fills up at that file (it is a link to ``/dev/full``); on ``s3://`` the server becomes
+    unreachable at that key (``tests.s3.Gate`` cuts every connection, as connection ``hvd_s3_gate``)."""
+
+    def __init__(self, root: str, cause: str, gate=None) -> None:
+        self.root, self.cause, self.gate = root, cause, gate
+
+    def fail_at(self, obj) -> None:
+        if self.gate is None:
+            Path(obj.path).parent.mkdir(parents=True)
+            Path(obj.path).symlink_to("/dev/full")
+        else:
+            self.gate.cut_at = ("/%s" % obj.path.split("/", 1)[1]).encode()  # the key, as the request line names it
+
+    def reopen(self) -> None:
+        if self.gate is not None:
+            self.gate.reopen()
+
+
+@pytest.fixture(params=["file", "s3"])
+def failing_store(request, tmp_path, monkeypatch):
+    if request.param == "file":
+        yield FailingStore("file://%s" % (tmp_path / "store"), r"OSError: .*No space left on device")
+        return
     from tests import s3
 
-    gate = s3.Gate(s3_server)
+    server = request.getfixturevalue("s3_server")
+    gate = s3.Gate(server)
     monkeypatch.setenv("AIRFLOW_CONN_HVD_S3_GATE", gate.connection())
-    yield gate
-    gate.close()
+    try:
+        yield FailingStore(s3.uri(server.new_bucket(), "store", conn_id="hvd_s3_gate"), r".*(Connection|connect)", gate)
+    finally:
+        gate.close()
 
 
-def test_a_store_cut_off_mid_commit_keeps_the_version_before_newest_and_names_the_uri_and_cause(tmp_path, s3_server,
-                                                                                                gate):
-    from tests import s3
-
-    try1 = prepare(s3.uri(s3_server.new_bucket(), "store", conn_id="hvd_s3_gate"), 1)
+def test_a_store_failing_mid_commit_keeps_the_version_before_newest_and_names_the_uri_and_cause(tmp_path,
+                                                                                                failing_store):
+    try1 = prepare(failing_store.root, 1)
     version, local = local_version(tmp_path, 1, {"model.pt": b"one"})
     store.commit_version(try1, local, version, keep=2)
     second, local2 = local_version(tmp_path, 2, {"a.pt": b"first file goes up", "model.pt": b"two"})
-    gate.cut_at = b"/versions/000002/model.pt"  # the store goes away after the version's first file
-    with pytest.raises(ArtifactError, match=r"version 2 to s3://hvd_s3_gate@.*/versions/000002 \(.*(Connection|connect)"):
+    failing_store.fail_at(try1 / "versions" / "000002" / "model.pt")  # the store fails after the version's first file
+    with pytest.raises(ArtifactError, match=r"version 2 to %s/versions/000002 \(%s" % (
+            re.escape(str(try1)), failing_store.cause)):
         store.commit_version(try1, local2, second, keep=2)
-    gate.reopen()
+    failing_store.reopen()
     assert (try1 / "versions" / "000002" / "a.pt").exists()  # half a version is there, but without its marker ...
     assert [v.seq for v, _ in store.versions(try1)] == [1]  # ... so it is never offered
     assert (store.newest_checkpoint(try1).path / "model.pt").read_bytes() == b"one"

@@ -72,33 +72,38 @@ def hvd_deploy_stop():
     until_timeout()
 
 
-@dag(schedule=None, start_date=START, catchup=False, tags=["hvd-deployment-test"])
+@dag(schedule=None, start_date=START, catchup=False, tags=["hvd-deployment-test"],
+     params={"artifact_root": "", "fail_first": True})
 def hvd_deploy_crash():
     """Try 1 raises after its checkpoint; try 2 resumes, checkpoints and waits for the test to SIGKILL
     its task process; try 3 resumes from the newest committed checkpoint, the killed try 2's version;
-    the test then clears the task: try 4 starts from scratch (the default resume_on_clear=False)."""
+    the test then clears the task: try 4 starts from scratch (the default resume_on_clear=False).
+    With ``fail_first`` false, try 1 is the killed one and try 2 resumes from it. ``artifact_root``
+    (empty: the deployment's ``[horovod] artifact_root``) is the task's own root, e.g. ``s3://...``."""
 
     # retry_policy=None: Airflow's own rule, which retries the function's planned exception
-    @task.horovod(np=2, retries=2, retry_delay=datetime.timedelta(seconds=0), retry_policy=None)
-    def crash(try_number: str):
+    @task.horovod(np=2, retries=2, retry_delay=datetime.timedelta(seconds=0), retry_policy=None,
+                  artifact_root="{{ params.artifact_root }}")
+    def crash(try_number: str, fail_first: str):
         import horovod.torch as hvd
         import torch
 
         from airflow_provider_horovod import runtime
 
-        try_number = int(try_number)  # rendered from a template: a string
-        if try_number == 1:
+        try_number = int(try_number)  # rendered from templates: strings
+        killed_try = 2 if fail_first == "True" else 1
+        if try_number < killed_try:
             hvd.init()
             if hvd.rank() == 0:
                 (runtime.checkpoint_dir() / STEP_FILE).write_text("1")
             hvd.allreduce_(torch.zeros(1), name="checkpointed")
             raise RuntimeError("planned failure after checkpoint 1")
         step = resumed_step()
-        if try_number == 2:
-            checkpoint_then_wait(step + 1)  # killed with its task process: committed as a version before
+        if try_number == killed_try:
+            checkpoint_then_wait((step or 0) + 1)  # killed with its task process: committed as a version before
         return {"resumed_step": step}
 
-    crash(try_number="{{ ti.try_number }}")
+    crash(try_number="{{ ti.try_number }}", fail_first="{{ params.fail_first }}")
 
 
 @dag(schedule=None, start_date=START, catchup=False, max_active_runs=2, tags=["hvd-deployment-test"])

@@ -27,20 +27,30 @@ PATH_PREFIX = "/airflow"
 
 
 @pytest.fixture(scope="package")
-def airflow_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def airflow_deployment(tmp_path_factory: pytest.TempPathFactory, s3_server) -> Iterator[Deployment]:
     """PostgreSQL + API server + scheduler + DAG processor + triggerer (LocalExecutor), with the
     example DAGs and ``tests/integration/deployment_dags/``, and a Spark standalone cluster behind the
     ``spark_shared`` connection; torn down after the package's last test. The UI and the APIs are served
     under ``/airflow`` (``[api] base_url``), as behind a reverse proxy: every test that talks to the
-    deployment, the browser's included, goes through that prefix."""
+    deployment, the browser's included, goes through that prefix.
+
+    The artifact root is local (``file://``); ``deployment.s3_root`` is a bucket of the session's S3
+    server (``s3_server``) that a task takes as its own ``artifact_root``: every Airflow process (the
+    task processes that write it, the API server whose Horovod view reads it) has its ``aws``
+    connection, and the view looks there too (``[horovod] view_extra_roots``)."""
+    from tests import s3
+
     # The cluster's JVMs start while the deployment does (its URL is known before it listens).
     cluster = StandaloneCluster(tmp_path_factory.mktemp("deployment-spark"), workers=4).start(wait=False)
     try:
         shared = {"conn_type": "spark", "host": cluster.master, "extra": {**cluster.app_conf(), "spark.cores.max": "2"}}
-        env = {**DEPLOYMENT_ENV, "AIRFLOW_CONN_%s" % SHARED_SPARK_CONN_ID.upper(): json.dumps(shared)}
+        s3_root = s3.uri(s3_server.new_bucket(), "artifacts")
+        env = {**DEPLOYMENT_ENV, "AIRFLOW_CONN_%s" % SHARED_SPARK_CONN_ID.upper(): json.dumps(shared),
+               "AIRFLOW_CONN_%s" % s3.CONN_ID.upper(): s3_server.connection(), "AIRFLOW__HOROVOD__VIEW_EXTRA_ROOTS": s3_root}
         with Deployment.start(tmp_path_factory.mktemp("deployment"), DEPLOYMENT_DAGS, env, path_prefix=PATH_PREFIX) as deployment:
             cluster.wait_for_workers()
             deployment.shared_spark = cluster
+            deployment.s3_root = s3_root
             yield deployment
     finally:
         cluster.stop()

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import psutil
@@ -35,7 +36,8 @@ def local(uri: str) -> Path:
     return Path(uri[len("file://"):])
 
 
-def marker(folder: Path) -> dict:
+def marker(folder: Any) -> dict:
+    """A try's final marker; ``folder``: a local ``Path`` or an ``ObjectStoragePath``."""
     return json.loads((folder / "_ARTIFACTS.json").read_text())
 
 
@@ -204,47 +206,76 @@ def test_mark_failed_and_execution_timeout_store_rank_0s_checkpoint_as_cancelled
     assert wait_gone(dag_id) == []
 
 
+@pytest.mark.parametrize("where", ["file", "s3"])
 def test_sigkill_of_the_task_process_and_a_failing_function_resume_from_the_newest_committed_checkpoint(
-    airflow_deployment: Deployment,
+    airflow_deployment: Deployment, where: str,
 ):
+    """On ``file://`` (the deployment's artifact root): try 1 raises after its checkpoint, try 2 resumes
+    from it and is SIGKILLed, try 3 resumes from the killed try's version, a Clear starts try 4 from
+    scratch. On ``s3://`` (the task's own ``artifact_root`` in a bucket of the session's S3 server) only
+    the SIGKILL and the resume, to spare the suite's time: try 1 is killed, try 2 resumes from it (the
+    failing function and the Clear do not depend on the store). What is stored is read through the
+    store's own reading code and through the Horovod view of the API server, on either root."""
+    from airflow_provider_horovod import store
+
     api = airflow_deployment.api
     dag_id = "hvd_deploy_crash"
     api.wait_dags([dag_id])  # parsed already when the whole file runs; this test also runs alone
-    run_id = api.trigger(dag_id)
+    root = airflow_deployment.s3_root if where == "s3" else None
+    fail_first = where == "file"
+    run_id = api.trigger(dag_id, conf={"artifact_root": root or "", "fail_first": fail_first})
+    killed_try = 2 if fail_first else 1
+    wait_log(api, dag_id, run_id, "crash", killed_try, "checkpoint %d written" % killed_try, timeout=420)
 
-    # try 1: the function raises after rank 0's checkpoint: failed, traceback in the log, checkpoint stored
-    wait_log(api, dag_id, run_id, "crash", 2, "checkpoint 2 written", timeout=420)
-    failed = airflow_deployment.artifact_folder(dag_id, run_id, "crash", 1)
-    assert marker(failed)["status"] == "failed"
-    assert (failed / "checkpoints" / "step.txt").read_text() == "1"
-    first_log = api.log(dag_id, run_id, "crash", 1)
-    assert "RuntimeError: planned failure after checkpoint 1" in first_log and "Traceback" in first_log
+    if fail_first:  # try 1: the function raises after rank 0's checkpoint: failed, traceback in the log, checkpoint stored
+        failed = airflow_deployment.stored_try(dag_id, run_id, "crash", 1)
+        assert marker(failed)["status"] == "failed"
+        assert (failed / "checkpoints" / "step.txt").read_text() == "1"
+        first_log = api.log(dag_id, run_id, "crash", 1)
+        assert "RuntimeError: planned failure after checkpoint 1" in first_log and "Traceback" in first_log
 
-    # try 2 resumed from try 1, committed checkpoint 2 as a version while training: SIGKILL its task
-    # process, as a worker crash would
-    killed_try = airflow_deployment.artifact_folder(dag_id, run_id, "crash", 2)
+    # the killed try (on file://, try 2 resumed from try 1) committed its checkpoint as a version while
+    # training: SIGKILL its task process, as a worker crash would
+    killed_folder = airflow_deployment.stored_try(dag_id, run_id, "crash", killed_try, root=root)
+    assert str(killed_folder).startswith(where + "://")
     deadline = time.monotonic() + 60
-    while not list(killed_try.glob("versions/*/_VERSION.json")) and time.monotonic() < deadline:
+    while not store.versions(killed_folder) and time.monotonic() < deadline:
         time.sleep(0.2)
-    [committed] = [p.parent for p in killed_try.glob("versions/*/_VERSION.json")]
-    assert (committed / "step.txt").read_text() == "2"
+    [(version, committed)] = store.versions(killed_folder)
+    assert (committed / "step.txt").read_text() == str(killed_try)
     task_process = next(p.parent() for p in psutil.process_iter(["name"]) if p.info["name"] == "java"
-                        and _ctx(p) == (dag_id, "crash", "2"))
+                        and _ctx(p) == (dag_id, "crash", str(killed_try)))
     killed = time.monotonic()
     os.kill(task_process.pid, signal.SIGKILL)
-    assert wait_gone(dag_id, "crash", 2) == []  # the JVM sees its stdin close; the ranks' watchdogs see the task go
+    assert wait_gone(dag_id, "crash", killed_try) == []  # the JVM sees its stdin close; the ranks' watchdogs see the task go
     assert time.monotonic() - killed <= GONE_WITHIN_S
 
-    # try 3 resumes from the newest version committed before the kill: the killed try 2's, not try 1's
-    api.wait_task(dag_id, run_id, "crash", ["success", "failed"], timeout=420, try_number=3)
+    # the next try resumes from the newest version committed before the kill (on file://: the killed try 2's, not try 1's)
+    resumed = killed_try + 1
+    api.wait_task(dag_id, run_id, "crash", ["success", "failed"], timeout=420, try_number=resumed)
     assert api.task_instance(dag_id, run_id, "crash")["state"] == "success"
-    assert api.xcom(dag_id, run_id, "crash") == {"resumed_step": 2}
-    assert not (killed_try / "_ARTIFACTS.json").exists()  # the killed try never ended, its version is there
-    assert "Resuming from checkpoint file://%s (try 2, version 1)" % committed in api.log(dag_id, run_id, "crash", 3)
+    assert api.xcom(dag_id, run_id, "crash") == {"resumed_step": killed_try}
+    assert api.xcom(dag_id, run_id, "crash", "horovod_artifacts_uri") == str(
+        airflow_deployment.stored_try(dag_id, run_id, "crash", resumed, root=root))
+    assert not (killed_folder / "_ARTIFACTS.json").exists()  # the killed try never ended, its version is there
+    assert "Resuming from checkpoint %s (try %d, version %d)" % (committed, killed_try, version.seq) in api.log(
+        dag_id, run_id, "crash", resumed)
+    # the Horovod view (the API server reads the same store) shows the killed try's version and the resume
+    tries = api.client.get(view_url(airflow_deployment, dag_id, run_id, "crash") + "/tries").raise_for_status().json()["tries"]
+    assert [t["try_number"] for t in tries] == list(range(1, resumed + 1))
+    assert tries[killed_try - 1]["artifacts_uri"] == str(killed_folder)
+    assert [v["seq"] for v in tries[killed_try - 1]["versions"]] == [version.seq]
+    assert (tries[-1]["status"], tries[-1]["resumed_from"]) == ("success", str(committed))
     assert wait_gone(dag_id) == []
+    if not fail_first:
+        return
 
     # a Clear starts from scratch (resume_on_clear=False, the default), as Airflow means it, although the
-    # state store (kept by a Clear on Airflow 3.3) and the store both hold try 3's checkpoint
+    # state store (kept by a Clear on Airflow 3.3) and the store both hold try 3's checkpoint. The Clear
+    # waits for the scheduler to end the run: the task's success shows before that, and a Clear of a run
+    # still running does not requeue it (clear_task_instances requeues finished runs only), so the
+    # scheduler ended it as successful with the cleared task never scheduled (seen 1 run in 3).
+    api.wait_run(dag_id, run_id, timeout=60)
     api.clear(dag_id, run_id, ["crash"])
     api.wait_task(dag_id, run_id, "crash", ["success", "failed"], timeout=420, try_number=4)
     assert api.task_instance(dag_id, run_id, "crash")["state"] == "success"

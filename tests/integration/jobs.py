@@ -329,10 +329,11 @@ def uneven_batches_job(batches: int = 6, short_by: int = 2):
 
 
 def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horovod", loss: str = "",
-                    losses: int = 1, marker: str = "", victim: int = 1, with_dataset: bool = False):
+                    losses: int = 1, marker: str = "", victim: int | list[int] = 1, with_dataset: bool = False):
     """Rank 0 commits ``step.txt`` each step with ``runtime.commit_checkpoint``; resumes after the step
-    in ``resume_dir()``. In each of the first ``losses`` attempts rank ``victim`` loses its infrastructure
-    after step 3: ``loss="task"`` kills its Spark task's Python worker (SIGKILL, from the rank: a
+    in ``resume_dir()``. In each of the first ``losses`` attempts rank ``victim`` (a list: ``victim[n]`` in
+    attempt ``n``) loses its infrastructure three steps after the attempt's first (attempt 0: after step 3):
+    ``loss="task"`` kills its Spark task's Python worker (SIGKILL, from the rank: a
     signal the task did not send itself; gloo and torch, whose rank is the task's child); ``loss="jvm"`` writes the pid of the executor JVM hosting
     it to ``marker`` for the driver to kill, and that attempt then waits for the loss. ``collective``:
     ``"horovod"`` (mpirun, gloo) or ``"torch"`` (launcher="torch"). Returns where it started (and,
@@ -361,6 +362,8 @@ def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horo
     resume = runtime.resume_dir()
     start = int((resume / "step.txt").read_text()) + 1 if resume is not None else 0
     doomed = loss and runtime.attempt() < losses
+    if isinstance(victim, list):
+        victim = victim[runtime.attempt()] if doomed else -1
     for step in range(start, steps):
         allreduce()
         if rank == 0:

@@ -1,5 +1,5 @@
 """An np=2 run on a standalone cluster where only one worker is up: the second worker starts only
-when the test starts it (30 s into the run), and the run waits for its executor within start_timeout.
+when the test starts it (``LATE_S`` into the run, 10 s), and the run waits for its executor within start_timeout.
 
 usage: python -m tests.integration.scenarios.late_executor MASTER CONF_JSON OUT_DIR
 

@@ -1,13 +1,15 @@
-"""The executor JVM hosting rank 1 is SIGKILLed mid-training on a standalone cluster; the same
-``run()`` restarts from the newest committed version (its own SparkSession, in its own process).
+"""The executor JVM hosting rank 1 is SIGKILLed mid-training on a standalone cluster, then, in the
+next attempt, the one hosting rank 0; the same ``run()`` restarts from the newest committed version
+each time (its own SparkSession, in its own process).
 
-usage: python -m tests.integration.scenarios.restart_runs MASTER CONF_JSON OUT_DIR LAUNCHER[/host|/rank0]...
+usage: python -m tests.integration.scenarios.restart_runs MASTER CONF_JSON OUT_DIR LAUNCHER[/host]...
 
 ``LAUNCHER/host``: the worker that started that executor is decommissioned (SIGPWR; the cluster
 has ``spark.decommission.enabled``) ``NOTICE_S`` before it and the executor are killed (a host gone
 for good, with a preemption notice); the run has ``min_np=1`` and a ``dataset=`` of
-``DATASET_ROWS`` rows, trains ``jobs.preemptible_job`` and restarts on the one slot left. ``LAUNCHER/rank0``: the executor hosting
-rank 0 (partition 0: mpirun, Horovod's rendezvous or torch's store) is the one killed.
+``DATASET_ROWS`` rows, trains ``jobs.preemptible_job`` and restarts on the one slot left. ``LAUNCHER``:
+``max_restarts=2``; attempt 0 loses rank 1's executor, attempt 1 rank 0's (partition 0: mpirun,
+Horovod's rendezvous or torch's store), attempt 2 finishes.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from pathlib import Path
 
 DATASET_ROWS = 101
 NOTICE_S = 10.0
+VICTIMS = [1, 0]  # LAUNCHER: the rank whose executor is killed, in attempts 0 and 1
 
 
 def kill_when_told(marker: Path, committed: list[int], done: threading.Event, host: bool) -> list[dict]:
-    """Start a thread that SIGKILLs the pid rank 1 writes to ``marker`` (its executor's JVM; with
+    """Start a thread that SIGKILLs the pid a rank writes to ``marker`` (its executor's JVM; with
     ``host``, the standalone worker that started it is decommissioned ``NOTICE_S`` before, then
     killed too), each time it does; returns the kills (pid, the newest step committed before)."""
     import psutil
@@ -63,13 +66,14 @@ def main() -> None:
     results = {}
     try:
         for name in launchers:
-            launcher, host, victim = name.split("/")[0], name.endswith("/host"), 0 if name.endswith("/rank0") else 1
+            launcher, host = name.split("/")[0], name.endswith("/host")
             folder = name.replace("/", "-")
             committed: list[int] = []
             done = threading.Event()
             marker = out / ("jvm-%s" % folder)
             kills = kill_when_told(marker, committed, done, host)
-            runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=out / folder, max_restarts=1,
+            runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=out / folder,
+                                   max_restarts=1 if host else len(VICTIMS),
                                    min_np=1 if host else None, start_timeout=10 if host else 60,
                                    dataset=spark.range(DATASET_ROWS) if host else None,
                                    on_checkpoint=lambda version, _path: committed.append(version.step))
@@ -78,13 +82,14 @@ def main() -> None:
                 if host:
                     result = runner.run(jobs.preemptible_job, marker=str(marker), with_dataset=True)
                 else:
-                    result = runner.run(jobs.restartable_job, loss="jvm", marker=str(marker), victim=victim,
+                    result = runner.run(jobs.restartable_job, loss="jvm", marker=str(marker), victim=VICTIMS,
+                                        losses=len(VICTIMS),
                                         collective="torch" if launcher == "torch" else "horovod")
             finally:
                 done.set()
             results[name] = {"result": result, "kills": kills, "attempts": runner.last_run.attempts,
                              "notices": [e for e in runner.last_run.events if e.get("kind") == "preempting"],
-                                 "seconds": time.monotonic() - began}
+                             "seconds": time.monotonic() - began}
     finally:
         spark.stop()
     (out / "runs.json").write_text(json.dumps(results))

@@ -113,11 +113,16 @@ def test_a_writer_faster_than_the_link_is_coalesced_and_rank_0_holds_at_most_two
     peak = [0]
 
     def rank_side_bytes() -> int:
-        """Bytes rank 0's task folder holds on disk, each inode once (hard links are free)."""
+        """Bytes rank 0's task folder holds on disk, each inode once (hard links are free). The shipper
+        removes an offer once it is sent, maybe between the walk's listing and the lstat: a file gone
+        by then holds nothing."""
         seen, total = set(), 0
         for dirpath, _dirs, files in os.walk(r.task.path):
             for name in files:
-                st = os.lstat(os.path.join(dirpath, name))
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    continue
                 if st.st_ino not in seen:
                     seen.add(st.st_ino)
                     total += st.st_size

@@ -177,6 +177,14 @@ def commit_once(root: str, local: Path, version, seq: int) -> tuple[float, float
     return took, peak[0]
 
 
+def server_cpu(server) -> float:
+    """CPU seconds the S3 server process has used so far (user + system, all its threads): the
+    1 GiB commit's bound here is this server, one Python process, on the same two cores."""
+    import psutil
+
+    return sum(psutil.Process(server.proc.pid).cpu_times()[:2])
+
+
 def boto3_upload(server, bucket: str, local: Path, key: str) -> float:
     """The anchor: the same file put by boto3's own transfer manager (s3transfer: 8 MiB parts, ten
     threads), the best a client of this server gets; seconds."""
@@ -270,12 +278,14 @@ def store_bench(args) -> bool:
             version = Version(seq=1, step=None, time=0.0, size=mib << 20, files=(("model.bin", mib << 20),))
             for r in range(args.rounds):
                 for name in (("s3", "file", "boto3") if r % 2 == 0 else ("boto3", "file", "s3")):
+                    cpu = server_cpu(server)
                     if name == "boto3":
                         took, grew = boto3_upload(server, bucket, local / "model.bin", "anchor-%d-%d" % (mib, r)), 0.0
                     else:
                         took, grew = commit_once(roots[name], local, version, 1000 * mib + 10 * r + len(name))
                     got.setdefault((name, mib), []).append((took, grew))
-                    print("%4d MiB to %-5s %.2f s, RSS +%.0f MB" % (mib, name, took, grew), flush=True)
+                    print("%4d MiB to %-5s %.2f s, RSS +%.0f MB%s" % (mib, name, took, grew, "" if name == "file" else
+                          "; the S3 server used %.2f s of CPU" % (server_cpu(server) - cpu)), flush=True)
             if mib == 1024:  # what other part sizes and concurrency would give here (one commit each)
                 from airflow_provider_horovod import store
 

@@ -90,7 +90,7 @@ def hvd_test_retry():
                 for step in range(38, 42):  # each one renamed into place: one version each (seq 1-4) ...
                     (ckpt / ".step.txt").write_text(str(step))
                     os.replace(ckpt / ".step.txt", ckpt / "step.txt")
-                    time.sleep(0.5)  # ... shipped before the next (one coming faster would replace it)
+                    time.sleep(0.5)  # ... each shipped and stored before the next (a faster one would replace it)
             hvd.allreduce_(torch.zeros(1), name="barrier")
             raise RuntimeError("first try fails after its checkpoint")
         step = int((resume / "step.txt").read_text()) + 1

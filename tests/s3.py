@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -110,13 +111,16 @@ def uri(bucket: str, prefix: str = "", conn_id: str = CONN_ID) -> str:
 class Gate:
     """A TCP proxy on 127.0.0.1 in front of an ``S3Server``, through which a store can fail mid-commit
     for real: once a request names ``cut_at`` (a key, as it appears in the request line), every
-    connection through the gate is cut and new ones are reset, until ``reopen()``."""
+    connection through the gate is cut and new ones are reset, until ``reopen()`` (the store is down).
+    ``deny``, instead, resets the connection of every request that names it and lets the others pass
+    (the store fails at that one key, as a full disk fails at one file)."""
 
     def __init__(self, upstream: S3Server) -> None:
         self.upstream = upstream
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.cut_at: bytes | None = None
+        self.deny: bytes | None = None
         self.cut = threading.Event()
         self._lock = threading.Lock()
         self._open: list[socket.socket] = []
@@ -149,8 +153,7 @@ class Gate:
             except OSError:
                 return
             if self.cut.is_set():
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                client.close()  # a reset: the store is unreachable
+                _reset(client)  # the store is unreachable
                 continue
             try:
                 server = socket.create_connection(("127.0.0.1", self.upstream.port), 5)
@@ -169,9 +172,12 @@ class Gate:
                 chunk = src.recv(1 << 16)
                 if not chunk:
                     break
-                if requests and self.cut_at is not None and self.cut_at in tail + chunk:
+                if requests and _requested(self.cut_at, tail, chunk):
                     self.cut.set()
                     self._cut_all()
+                    return
+                if requests and _requested(self.deny, tail, chunk):
+                    _reset(src, dst)
                     return
                 tail = chunk[-512:]
                 dst.sendall(chunk)
@@ -185,7 +191,21 @@ class Gate:
     def _cut_all(self) -> None:
         with self._lock:
             conns, self._open = self._open, []
-        for s in conns:
-            with contextlib.suppress(OSError):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                s.close()
+        _reset(*conns)
+
+
+def _requested(key: bytes | None, tail: bytes, chunk: bytes) -> bool:
+    """Whether a request line in ``chunk`` (a request starts it, or a line after ``tail``, the end of
+    the chunk before) names ``key``; a body that quotes it (a marker listing what failed) does not count."""
+    if key is None:
+        return False
+    line = rb"[A-Z]+ /[^ \r\n]*" + re.escape(key)
+    return re.match(line, chunk) is not None or re.search(rb"\n" + line, tail + chunk) is not None
+
+
+def _reset(*conns: socket.socket) -> None:
+    """Close with a TCP reset (no FIN): the peer sees the connection fail, not end."""
+    for s in conns:
+        with contextlib.suppress(OSError):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()

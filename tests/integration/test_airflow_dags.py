@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -193,33 +194,95 @@ def test_reference_string_operator_and_task_horovod_decorator(airflow):
     assert (torch_by_reference["result"], torch_by_reference["launcher"]) == (2, "torch")
 
 
-@pytest.mark.parametrize("where", ["file", "s3"])
-def test_retry_resumes_from_the_checkpoint_of_the_failed_try(airflow, where, request):
-    from airflow_provider_horovod import store
+# The first try's version 4, where the retry test's store fails (and nowhere else), and what the error says:
+# on file:// the disk is full at that object; on s3:// the S3 server's connection is reset at that key.
+VERSION_4 = "flaky/try-1/versions/000004/step.txt"
+STORE_FAILURE = {"file": r"OSError: \[Errno 28\] No space left on device",
+                 "s3": r"EndpointConnectionError: Could not connect to the endpoint URL: \"http://127\.0\.0\.1:\d+/\S+/" +
+                       re.escape(VERSION_4)}
 
-    env = {}
-    if where == "s3":  # the artifact root in a bucket of the real S3 server, through an aws connection
+
+def full_disk_at_version_4(root: Path) -> threading.Thread:
+    """``VERSION_4`` of the coming ``hvd_test_retry`` run under ``root`` made a link to ``/dev/full`` as
+    soon as the try's folder is there (the run id is known only then, seconds before the first version)."""
+    def link() -> None:
+        deadline = time.monotonic() + DAG_TIMEOUT_S
+        while not (runs := list(root.glob("hvd_test_retry/*"))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (runs[0] / VERSION_4).parent.mkdir(parents=True, exist_ok=True)
+        (runs[0] / VERSION_4).symlink_to("/dev/full")
+
+    thread = threading.Thread(target=link, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_retry_resumes_from_the_checkpoint_of_the_failed_try(airflow, where, request, monkeypatch):
+    """The first try commits checkpoint versions 1-4 while it trains (keep_checkpoints=2) and the
+    store fails at version 4's object: the upload failure is logged and listed in the try's marker,
+    training goes on, and the try fails by its own exception with its final checkpoint stored. The
+    retry resumes from that checkpoint; the view reads both tries from the same store."""
+    from airflow_provider_horovod import store
+    from airflow_provider_horovod.plugins.view import tries_json
+
+    gate = None
+    if where == "s3":  # the artifact root in a bucket of the real S3 server, through a gate that fails at VERSION_4
         from tests import s3
 
-        server = request.getfixturevalue("s3_server")
-        env = {"AIRFLOW__HOROVOD__ARTIFACT_ROOT": s3.uri(server.new_bucket(), "artifacts"),
-               "AIRFLOW_CONN_%s" % s3.CONN_ID.upper(): server.connection()}
+        gate = s3.Gate(request.getfixturevalue("s3_server"))
+        request.addfinalizer(gate.close)
+        gate.deny = ("/" + VERSION_4).encode()
+        root = s3.uri(gate.upstream.new_bucket(), "artifacts", conn_id="hvd_s3_gate")
+        env = {"AIRFLOW__HOROVOD__ARTIFACT_ROOT": root, "AIRFLOW_CONN_HVD_S3_GATE": gate.connection()}
+    else:
+        root = "file://%s" % (airflow.root / "retry-store")
+        env = {"AIRFLOW__HOROVOD__ARTIFACT_ROOT": root}
+        full_disk_at_version_4(airflow.root / "retry-store")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)  # the view, below, reads the same store in this process
     proc = airflow.dags_test("hvd_test_retry", env=env)
     assert proc.returncode == 0, explain(proc)
+    if gate is not None:
+        gate.deny = None  # the reads below see the store as it was left
+    run_id = airflow.last_run_id("hvd_test_retry")
+    first_store = store.try_folder(store.task_folder(root, "hvd_test_retry", run_id, "flaky"), 1)
     assert airflow.task_states("hvd_test_retry") == {"flaky": ("success", 2)}
     assert airflow.xcom("hvd_test_retry", "flaky") == {"resumed_step": 42, "rank": 0}
     assert airflow.xcom("hvd_test_retry", "flaky", "horovod_try_number") == 2
     uri = airflow.xcom("hvd_test_retry", "flaky", "horovod_artifacts_uri")
     assert uri.startswith(where + "://"), uri
     second_store = store.storage_path(uri)
-    first_store = second_store.parent / "try-1"
-    assert json.loads((first_store / "_ARTIFACTS.json").read_text())["status"] == "failed"
+    assert str(second_store.parent / "try-1") == str(first_store)
+    first_marker = json.loads((first_store / "_ARTIFACTS.json").read_text())
+    assert first_marker["status"] == "failed"
     assert (first_store / "checkpoints" / "step.txt").read_text() == "41"
     assert second_store.name == "try-2"
     second_marker = json.loads((second_store / "_ARTIFACTS.json").read_text())
     assert second_marker["resumed_from"] == str(first_store / "checkpoints")  # what the Horovod view shows
-    assert json.loads((first_store / "_ARTIFACTS.json").read_text())["error"]["exception"] == (
-        "RuntimeError: first try fails after its checkpoint")
+    assert first_marker["error"]["exception"] == "RuntimeError: first try fails after its checkpoint"
+    assert airflow.xcom("hvd_test_retry", "flaky", "horovod_checkpoint_uri") == str(second_store / "checkpoints")
+    assert (second_store / "checkpoints" / "step.txt").read_text() == "42"
+
+    # Version 4 did not reach the store: its error names the URI and the cause, in the task log and in
+    # the try's marker; training went on (the try failed by its own exception, above).
+    failed = re.escape("Cannot commit checkpoint version 4 to %s (" % (first_store / "versions" / "000004"))
+    [lost] = first_marker["not_stored"]
+    assert lost["seq"] == 4 and re.match(failed + STORE_FAILURE[where], lost["reason"]), lost
+    assert re.search(failed + STORE_FAILURE[where], proc.stdout + proc.stderr)
+    # keep_checkpoints=2: version 1 was pruned (its objects gone) once 3 was committed; 4 has no marker
+    committed = store.versions(first_store)
+    assert [(v.seq, (path / "step.txt").read_text()) for v, path in committed] == [(2, "39"), (3, "40")]
+    assert not (first_store / "versions" / "000001" / "step.txt").exists()
+    assert not (first_store / "versions" / "000004" / "_VERSION.json").exists()
+    # The Horovod view's reading (the functions behind .../tries), on the same store
+    tries = tries_json("hvd_test_retry", run_id, "flaky")["tries"]
+    assert [(t["try_number"], t["status"], t["committed"], t["resumed_from"], t["resumed_from_try"]) for t in tries] == [
+        (1, "failed", True, None, None), (2, "success", True, str(first_store / "checkpoints"), 1)]
+    assert [(v["seq"], v["uri"]) for v in tries[0]["versions"]] == [(v.seq, str(path)) for v, path in committed]
+    assert [c["path"] for c in tries[0]["checkpoints"]] == [c["path"] for c in tries[1]["checkpoints"]] == [
+        "checkpoints/step.txt"]
+    assert tries[0]["error"]["exception"] == first_marker["error"]["exception"]
 
 
 def test_sigterm_cancels_the_spark_job_and_leaves_no_process(airflow):

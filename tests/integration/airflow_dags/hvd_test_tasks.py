@@ -1,5 +1,5 @@
 """Test DAG: HorovodRunnerOperator with a reference string and a templated np; @task.horovod with a
-result that is not JSON-serializable; both under launcher="torch"; @task.horovod whose first try fails after a checkpoint; a
+result that is not JSON-serializable; both under launcher="torch"; @task.horovod whose first try fails after four checkpoints; a
 job killed with its task; bad input; the engine's limits set on the operator; the default retry policy."""
 
 from __future__ import annotations
@@ -72,20 +72,31 @@ def hvd_test_tasks():
 @dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False)
 def hvd_test_retry():
     # retry_policy=None: Airflow's own rule, which retries the training function's exception
-    @task.horovod(np=2, retries=1, retry_delay=datetime.timedelta(seconds=0), retry_policy=None)
+    @task.horovod(np=2, retries=1, retry_delay=datetime.timedelta(seconds=0), retry_policy=None, keep_checkpoints=2)
     def flaky():
+        import os
+        import time
+
         import horovod.torch as hvd
+        import torch
 
         from airflow_provider_horovod import runtime
 
         hvd.init()
         resume = runtime.resume_dir()
-        if resume is None:  # the first try: save a checkpoint, then die
+        ckpt = runtime.checkpoint_dir()
+        if resume is None:  # the first try: checkpoints of steps 38-41 while it trains, then it dies
             if hvd.rank() == 0:
-                (runtime.checkpoint_dir() / "step.txt").write_text("41")
-            hvd.allreduce_(__import__("torch").zeros(1), name="barrier")
+                for step in range(38, 42):  # each one renamed into place: one version each (seq 1-4) ...
+                    (ckpt / ".step.txt").write_text(str(step))
+                    os.replace(ckpt / ".step.txt", ckpt / "step.txt")
+                    time.sleep(0.5)  # ... each shipped and stored before the next (a faster one would replace it)
+            hvd.allreduce_(torch.zeros(1), name="barrier")
             raise RuntimeError("first try fails after its checkpoint")
-        return {"resumed_step": int((resume / "step.txt").read_text()) + 1, "rank": hvd.rank()}
+        step = int((resume / "step.txt").read_text()) + 1
+        if hvd.rank() == 0:
+            (ckpt / "step.txt").write_text(str(step))
+        return {"resumed_step": step, "rank": hvd.rank()}
 
     flaky()
 

@@ -10,6 +10,7 @@ the engine's log lines.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -27,7 +28,8 @@ def run_late(spark, out: Path) -> dict:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        (out / STARTED).write_text(str(time.time()))
+        (out / (STARTED + ".tmp")).write_text(str(time.time()))
+        os.replace(out / (STARTED + ".tmp"), out / STARTED)  # whole when the test sees it
         started = time.monotonic()
         try:
             got = {"result": HorovodRunner(2, launcher="gloo", spark=spark, start_timeout=60).run(jobs.allreduce_job)}

@@ -40,6 +40,22 @@ def allreduce_job(tag: str = "x"):
     return {"tag": tag, "sum": total, "ranks": seen}
 
 
+def layout_then_job(then=None, tag: str = "x", **kwargs):
+    """``allreduce_job`` (the ranks' layout), then, in the same ranks, the job function ``then`` with
+    ``kwargs``: one run shows both. ``then`` travels in the payload: a module of ``tests`` other than
+    this one must be registered to go by value (``by_value``). Returns ``{"layout": ..., "then": ...}``."""
+    layout = allreduce_job(tag)
+    return {"layout": layout, "then": None if then is None else then(**kwargs)}
+
+
+def by_value(*modules) -> None:
+    """The executors cannot import ``tests``: jobs of these modules passed as arguments go by value."""
+    import cloudpickle
+
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
+
+
 def optimizer_step_job(lr: float = 0.1):
     import horovod.torch as hvd
     import torch

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,18 +32,54 @@ def _run_module(module: str, *args: str, timeout: float = 300) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Two workers, with decommission enabled (the host-loss run, the last on it, needs it; nothing
-    else here decommissions, so the other runs see no difference)."""
+    """Two workers, with decommission enabled (the host-loss run needs it; nothing before it
+    decommissions, so the other runs see no difference)."""
     cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster"), decommission=True).start()
     yield cluster
     cluster.stop()
 
 
+LATE_S = 10  # the late executor's worker starts this long after its run() is called (it registers seconds later)
+
+
 @pytest.fixture(scope="module")
-def cluster_runs(cluster, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cluster-out") / "runs.json"
-    _run_module("tests.integration.scenarios.cluster_runs", cluster.master, json.dumps(cluster.app_conf()), str(out))
-    return json.loads(out.read_text())
+def cluster_scenarios(cluster, tmp_path_factory):
+    """Every scenario on the module's cluster, in one application (``scenarios/cluster_runs.py``): the
+    np=2 jobs; per launcher, the executors of rank 1 then rank 0 killed; the worker hosting rank 1
+    decommissioned, then gone for good; last, on the one worker left, an np=2 run with start_timeout=60
+    whose second worker (and so its executor) this fixture starts LATE_S into it: the run is already
+    waiting for its second slot then (the log says so)."""
+    from tests.integration.scenarios.late_executor import STARTED
+
+    out = tmp_path_factory.mktemp("cluster-out")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.scenarios.cluster_runs", cluster.master,
+                             json.dumps(cluster.app_conf()), str(out), "mpirun", "gloo", "torch", "gloo/host"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 360
+        while not (out / STARTED).exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (out / STARTED).exists(), "".join(output)[-5000:]
+        time.sleep(max(0.0, float((out / STARTED).read_text()) + LATE_S - time.time()))
+        cluster.start_worker(2)
+        proc.wait(timeout=120)
+        reader.join(10)
+        assert proc.returncode == 0, "".join(output)[-8000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print("".join(line for line in output if line.startswith("cluster s")))
+    return {name: json.loads((out / ("%s.json" % name)).read_text()) for name in ("runs", "restarts", "late")}
+
+
+@pytest.fixture(scope="module")
+def cluster_runs(cluster_scenarios):
+    return cluster_scenarios["runs"]
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
@@ -122,13 +159,10 @@ def test_dataset_shards_are_spilled_by_each_executors_task_for_the_rank_beside_i
 
 
 @pytest.fixture(scope="module")
-def restart_runs(cluster, tmp_path_factory):
+def restart_runs(cluster_scenarios):
     """Per launcher, the executors of rank 1 then rank 0 killed; last (it leaves the cluster one worker
     short): the worker hosting rank 1 decommissioned, then gone for good."""
-    out = tmp_path_factory.mktemp("restart-out")
-    _run_module("tests.integration.scenarios.restart_runs", cluster.master, json.dumps(cluster.app_conf()), str(out),
-                "mpirun", "gloo", "torch", "gloo/host")
-    return json.loads((out / "runs.json").read_text())
+    return cluster_scenarios["restarts"]
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo", "torch"])
@@ -153,11 +187,12 @@ def test_the_executors_of_rank_1_then_rank_0_killed_mid_training_cost_one_restar
 
 @pytest.fixture(scope="module")
 def host_loss_run(restart_runs):
-    """The worker hosting rank 1 is decommissioned, then killed for good 10 s later."""
+    """The worker hosting rank 1 is decommissioned, then killed for good once rank 0 committed the
+    version the notice asks for (10 s after the notice at most)."""
     return restart_runs["gloo/host"]
 
 
-def test_a_host_decommissioned_10_s_before_it_is_gone_loses_no_step_and_the_run_finishes_on_the_ranks_left(
+def test_a_host_decommissioned_before_it_is_gone_loses_no_step_and_the_run_finishes_on_the_ranks_left(
         host_loss_run):
     lost, restarted = host_loss_run["attempts"]
     assert (lost["np"], lost["ending"], restarted["np"], restarted["ending"]) == (2, "lost", 1, "success")
@@ -173,33 +208,9 @@ def test_a_host_decommissioned_10_s_before_it_is_gone_loses_no_step_and_the_run_
                                        "rows": RESTART_DATASET_ROWS}
 
 
-LATE_S = 10  # the second worker starts this long after run() is called (its executor registers seconds later)
-
-
 @pytest.fixture(scope="module")
-def late_executor_run(tmp_path_factory):
-    """A cluster of its own whose second worker (and so its executor) starts LATE_S into an np=2 run
-    with start_timeout=60: the run is already waiting for its second slot then (the log says so)."""
-    cluster = StandaloneCluster(tmp_path_factory.mktemp("spark-cluster-late")).start(workers=1)
-    out = tmp_path_factory.mktemp("late-out")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.scenarios.late_executor", cluster.master,
-                             json.dumps(cluster.app_conf()), str(out)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "started").exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert (out / "started").exists(), proc.communicate(timeout=30)[0][-5000:]
-        time.sleep(max(0.0, float((out / "started").read_text()) + LATE_S - time.time()))
-        cluster.start_worker(1)
-        output = proc.communicate(timeout=180)[0]
-        assert proc.returncode == 0, output[-5000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        cluster.stop()
-    return json.loads((out / "run.json").read_text())
+def late_executor_run(cluster_scenarios):
+    return cluster_scenarios["late"]
 
 
 def test_an_executor_that_registers_10_s_late_within_start_timeout_joins_the_run_and_the_log_says_what_was_waited_for(

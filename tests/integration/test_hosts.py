@@ -58,7 +58,9 @@ def bed_cluster(netbed, tmp_path_factory):
 def bed_runs(netbed, bed_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("bed-out") / "runs.json"
     runs = os.environ.get("HVDTB_RUNS", "").split()  # a subset, to debug one scenario
-    return bed_cluster.run_scenarios(out, runs, SCENARIO_TIMEOUT_S)
+    got = bed_cluster.run_scenarios(out, runs, SCENARIO_TIMEOUT_S)
+    print("\n".join(line for line in got["_output"].splitlines() if line.startswith("bed ")))  # seconds per run
+    return got
 
 
 def run_of(bed_runs, name: str) -> dict:
@@ -104,8 +106,9 @@ def test_a_host_with_a_64_mib_dev_shm_is_warned_about_before_its_ranks_start_nam
 def test_one_rank_per_host_across_hosts_whose_interfaces_are_named_differently(netbed, bed_runs, launcher):
     got = run_of(bed_runs, "%s-2" % launcher)
     assert "error_type" not in got, got.get("message")
-    assert got["result"]["sum"] == 3.0
-    layout = [(r["rank"], r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) for r in got["result"]["ranks"]]
+    result = got["result"]["layout"]
+    assert result["sum"] == 3.0
+    layout = [(r["rank"], r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) for r in result["ranks"]]
     assert layout == [(0, 0, 1, 0, 2), (1, 0, 1, 1, 2)]
     worker_addresses = {h.address for h in netbed.workers}
     assert set(hosts_of(got["plan"])) == worker_addresses  # one rank on each worker host
@@ -118,10 +121,11 @@ def test_one_rank_per_host_across_hosts_whose_interfaces_are_named_differently(n
 
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
 def test_two_hosts_with_two_slots_each_give_local_and_cross_ranks_as_horovod(netbed, bed_runs, launcher):
-    got = run_of(bed_runs, "%s-4" % launcher)
+    got = run_of(bed_runs, {"mpirun": "artifacts", "gloo": "gloo-4"}[launcher])  # mpirun's np=4 run is artifacts'
     assert "error_type" not in got, got.get("message")
-    assert got["result"]["sum"] == 10.0
-    layout = [(r["rank"], r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) for r in got["result"]["ranks"]]
+    result = got["result"]["layout"]
+    assert result["sum"] == 10.0
+    layout = [(r["rank"], r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"]) for r in result["ranks"]]
     assert layout == [(0, 0, 2, 0, 2), (1, 1, 2, 0, 2), (2, 0, 2, 1, 2), (3, 1, 2, 1, 2)]
     addresses = hosts_of(got["plan"])
     assert addresses[0] == addresses[1] != addresses[2] == addresses[3]  # ranks contiguous per host
@@ -130,9 +134,9 @@ def test_two_hosts_with_two_slots_each_give_local_and_cross_ranks_as_horovod(net
 
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo"])
 def test_dataset_shards_lie_on_the_host_of_the_rank_that_reads_them(netbed, bed_runs, launcher):
-    got = run_of(bed_runs, "dataset-%s" % launcher)
+    got = run_of(bed_runs, "%s-2" % launcher)  # the np=2 layout run reads a dataset= too
     assert "error_type" not in got, got.get("message")
-    ranks = got["result"]
+    ranks = got["result"]["then"]
     assert set(hosts_of(got["plan"])) == {h.address for h in netbed.workers}  # one rank on each worker host
     assert len({r["host"] for r in ranks}) == 2  # read where it was spilled: each host's own /tmp
     dataset_jobs.assert_shards_are_the_dataset(ranks, DATASET_ROWS, got["plan"])
@@ -169,7 +173,7 @@ def test_an_accelerate_function_runs_one_process_per_host(netbed, bed_runs):
 def test_checkpoint_and_timeline_come_back_by_stream_and_resume_from_reaches_every_host(netbed, bed_runs):
     got = run_of(bed_runs, "artifacts")
     assert "error_type" not in got, got.get("message")
-    result = got["result"]
+    result = got["result"]["then"]
     assert result["start"] == 1  # every rank resumed after epoch 0 of resume_from
     assert len(result["resume_seen"]) == 4 and None not in result["resume_seen"]
     assert len(set(hosts_of(got["plan"]))) == 2

@@ -1,36 +1,35 @@
-"""An np=2 run on a standalone cluster where only one worker is up: the second worker starts only
-when the test starts it (``LATE_S`` into the run, 10 s), and the run waits for its executor within start_timeout.
+"""An np=2 run on the standalone cluster when only one worker is up (``cluster_runs.py`` runs it last,
+after the host-loss run left one worker): the second worker starts only when the test starts it
+(``LATE_S`` into the run, 10 s), and the run waits for its executor within start_timeout.
 
-usage: python -m tests.integration.scenarios.late_executor MASTER CONF_JSON OUT_DIR
-
-Writes ``started`` when ``run()`` is called, then ``run.json``: the result (or error), the seconds
-``run()`` took and the engine's log lines.
+``run_late`` writes ``late-started`` into OUT_DIR when ``run()`` is called (the test starts the worker
+``LATE_S`` after the time in it), and returns the result (or error), the seconds ``run()`` took and
+the engine's log lines.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
+import os
 import time
 from pathlib import Path
 
+STARTED = "late-started"
 
-def main() -> None:
-    master, conf, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
+
+def run_late(spark, out: Path) -> dict:
     from airflow_provider_horovod import HorovodRunner
     from tests.integration import jobs
-    from tests.integration.cluster import app_session
 
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("airflow_provider_horovod").addHandler(handler)
-    logging.getLogger("airflow_provider_horovod").setLevel(logging.INFO)
-
-    spark = app_session(master, conf, "hvdrunner-late-executor")
+    logger = logging.getLogger("airflow_provider_horovod")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
-        (out / "started").write_text(str(time.time()))
+        (out / (STARTED + ".tmp")).write_text(str(time.time()))
+        os.replace(out / (STARTED + ".tmp"), out / STARTED)  # whole when the test sees it
         started = time.monotonic()
         try:
             got = {"result": HorovodRunner(2, launcher="gloo", spark=spark, start_timeout=60).run(jobs.allreduce_job)}
@@ -38,9 +37,5 @@ def main() -> None:
             got = {"error": "%s: %s" % (type(err).__name__, err)}
         got.update(run_s=time.monotonic() - started, log=lines)
     finally:
-        spark.stop()
-    (out / "run.json").write_text(json.dumps(got))
-
-
-if __name__ == "__main__":
-    main()
+        logger.removeHandler(handler)
+    return got

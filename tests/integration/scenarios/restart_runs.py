@@ -1,37 +1,35 @@
 """The executor JVM hosting rank 1 is SIGKILLed mid-training on a standalone cluster, then, in the
 next attempt, the one hosting rank 0; the same ``run()`` restarts from the newest committed version
-each time (its own SparkSession, in its own process).
-
-usage: python -m tests.integration.scenarios.restart_runs MASTER CONF_JSON OUT_DIR LAUNCHER[/host]...
+each time (``run_restarts``, on ``cluster_runs.py``'s SparkSession).
 
 ``LAUNCHER/host``: the worker that started that executor is decommissioned (SIGPWR; the cluster
-has ``spark.decommission.enabled``) ``NOTICE_S`` before it and the executor are killed (a host gone
-for good, with a preemption notice); the run has ``min_np=1`` and a ``dataset=`` of
-``DATASET_ROWS`` rows, trains ``jobs.preemptible_job`` and restarts on the one slot left. ``LAUNCHER``:
-``max_restarts=2``; attempt 0 loses rank 1's executor, attempt 1 rank 0's (partition 0: mpirun,
-Horovod's rendezvous or torch's store), attempt 2 finishes.
+has ``spark.decommission.enabled``), and it and the executor are killed once rank 0 has committed
+the version the notice asks for (and ``SETTLE_S`` more, in which no rank may step on) or ``NOTICE_S``
+after the notice, whichever comes first (a host gone for good, with a preemption notice); the run has
+``min_np=1`` and a ``dataset=`` of ``DATASET_ROWS`` rows, trains ``jobs.preemptible_job`` and restarts
+on the one slot left. ``LAUNCHER``: ``max_restarts=2``; attempt 0 loses rank 1's executor, attempt 1
+rank 0's (partition 0: mpirun, Horovod's rendezvous or torch's store), attempt 2 finishes.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 DATASET_ROWS = 101
-NOTICE_S = 10.0
+NOTICE_S = 10.0  # the most a decommissioned host lives on
+SETTLE_S = 2.0  # how long it lives on after rank 0's version: ranks step every 0.3 s, none may commit again
 VICTIMS = [1, 0]  # LAUNCHER: the rank whose executor is killed, in attempts 0 and 1
 
 
 def kill_when_told(marker: Path, committed: list[int], done: threading.Event, host: bool) -> list[dict]:
     """Start a thread that SIGKILLs the pid a rank writes to ``marker`` (its executor's JVM; with
-    ``host``, the standalone worker that started it is decommissioned ``NOTICE_S`` before, then
-    killed too), each time it does; returns the kills (pid, the newest step committed before)."""
+    ``host``, the standalone worker that started it is decommissioned first, then killed too, once
+    a version is committed after the notice and ``SETTLE_S`` passed, ``NOTICE_S`` after it at most),
+    each time it does; returns the kills (pid, the newest step committed before, the notice's seconds)."""
     import psutil
 
     kills: list[dict] = []
@@ -42,11 +40,12 @@ def kill_when_told(marker: Path, committed: list[int], done: threading.Event, ho
                 pid = int(marker.read_text())
                 marker.unlink()
                 worker = psutil.Process(pid).ppid()
+                noticed = time.monotonic()
                 if host:
                     os.kill(worker, signal.SIGPWR)
-                    time.sleep(NOTICE_S)
+                    wait_for_version(committed, noticed + NOTICE_S)
                 kills.append({"pid": pid, "newest_step": max((s for s in committed if s is not None), default=None),
-                              "committed": list(committed)})
+                              "committed": list(committed), "notice_s": round(time.monotonic() - noticed, 2)})
                 if host:
                     os.kill(worker, signal.SIGKILL)
                 os.kill(pid, signal.SIGKILL)
@@ -55,45 +54,42 @@ def kill_when_told(marker: Path, committed: list[int], done: threading.Event, ho
     return kills
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    master, conf, out, launchers = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+def wait_for_version(committed: list[int], deadline: float) -> None:
+    """Until a version with a step is committed and ``SETTLE_S`` more passed, or ``deadline``."""
+    while not any(s is not None for s in committed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(max(0.0, min(SETTLE_S, deadline - time.monotonic())))
+
+
+def run_restarts(spark, out: Path, launchers: list[str]) -> dict:
+    """The restart runs named by ``launchers`` (``LAUNCHER`` or ``LAUNCHER/host``), in order: what each showed."""
     from airflow_provider_horovod import HorovodRunner
     from tests.integration import jobs
-    from tests.integration.cluster import app_session
 
-    spark = app_session(master, conf, "hvdrunner-restart-tests")
     results = {}
-    try:
-        for name in launchers:
-            launcher, host = name.split("/")[0], name.endswith("/host")
-            folder = name.replace("/", "-")
-            committed: list[int] = []
-            done = threading.Event()
-            marker = out / ("jvm-%s" % folder)
-            kills = kill_when_told(marker, committed, done, host)
-            runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=out / folder,
-                                   max_restarts=1 if host else len(VICTIMS),
-                                   min_np=1 if host else None, start_timeout=10 if host else 60,
-                                   dataset=spark.range(DATASET_ROWS) if host else None,
-                                   on_checkpoint=lambda version, _path: committed.append(version.step))
-            began = time.monotonic()
-            try:
-                if host:
-                    result = runner.run(jobs.preemptible_job, marker=str(marker), with_dataset=True)
-                else:
-                    result = runner.run(jobs.restartable_job, loss="jvm", marker=str(marker), victim=VICTIMS,
-                                        losses=len(VICTIMS),
-                                        collective="torch" if launcher == "torch" else "horovod")
-            finally:
-                done.set()
-            results[name] = {"result": result, "kills": kills, "attempts": runner.last_run.attempts,
-                             "notices": [e for e in runner.last_run.events if e.get("kind") == "preempting"],
-                             "seconds": time.monotonic() - began}
-    finally:
-        spark.stop()
-    (out / "runs.json").write_text(json.dumps(results))
-
-
-if __name__ == "__main__":
-    main()
+    for name in launchers:
+        launcher, host = name.split("/")[0], name.endswith("/host")
+        folder = name.replace("/", "-")
+        committed: list[int] = []
+        done = threading.Event()
+        marker = out / ("jvm-%s" % folder)
+        kills = kill_when_told(marker, committed, done, host)
+        runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=out / folder,
+                               max_restarts=1 if host else len(VICTIMS),
+                               min_np=1 if host else None, start_timeout=10 if host else 60,
+                               dataset=spark.range(DATASET_ROWS) if host else None,
+                               on_checkpoint=lambda version, _path: committed.append(version.step))
+        began = time.monotonic()
+        try:
+            if host:
+                result = runner.run(jobs.preemptible_job, marker=str(marker), with_dataset=True)
+            else:
+                result = runner.run(jobs.restartable_job, loss="jvm", marker=str(marker), victim=VICTIMS,
+                                    losses=len(VICTIMS),
+                                    collective="torch" if launcher == "torch" else "horovod")
+        finally:
+            done.set()
+        results[name] = {"result": result, "kills": kills, "attempts": runner.last_run.attempts,
+                         "notices": [e for e in runner.last_run.events if e.get("kind") == "preempting"],
+                         "seconds": time.monotonic() - began}
+    return results

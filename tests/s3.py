@@ -119,6 +119,9 @@ class Gate:
         self.upstream = upstream
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
+        # Airflow caches a connection's file system by its id for the life of the process: a gate's
+        # own id keeps a test from reaching an earlier test's closed gate through that cache
+        self.conn_id = "hvd_s3_gate_%d" % self.port
         self.cut_at: bytes | None = None
         self.deny: bytes | None = None
         self.cut = threading.Event()
@@ -137,6 +140,10 @@ class Gate:
                            "extra": {"endpoint_url": self.endpoint, "region_name": REGION,
                                      "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2,
                                                        "read_timeout": 10}}})
+
+    def environment(self) -> dict[str, str]:
+        """``AIRFLOW_CONN_<conn_id>``: the gate's connection, for this process and the ones it starts."""
+        return {"AIRFLOW_CONN_%s" % self.conn_id.upper(): self.connection()}
 
     def reopen(self) -> None:
         self.cut.clear()

@@ -233,8 +233,8 @@ def test_retry_resumes_from_the_checkpoint_of_the_failed_try(airflow, where, req
         gate = s3.Gate(request.getfixturevalue("s3_server"))
         request.addfinalizer(gate.close)
         gate.deny = ("/" + VERSION_4).encode()
-        root = s3.uri(gate.upstream.new_bucket(), "artifacts", conn_id="hvd_s3_gate")
-        env = {"AIRFLOW__HOROVOD__ARTIFACT_ROOT": root, "AIRFLOW_CONN_HVD_S3_GATE": gate.connection()}
+        root = s3.uri(gate.upstream.new_bucket(), "artifacts", conn_id=gate.conn_id)
+        env = {"AIRFLOW__HOROVOD__ARTIFACT_ROOT": root, **gate.environment()}
     else:
         root = "file://%s" % (airflow.root / "retry-store")
         env = {"AIRFLOW__HOROVOD__ARTIFACT_ROOT": root}

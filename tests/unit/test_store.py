@@ -191,7 +191,7 @@ def test_one_request_per_metrics_commit(s3_server):
 class FailingStore:
     """An artifact root that fails for real at one object of a commit, until ``reopen()``: on ``file://``
     the disk fills up at that file (it is a link to ``/dev/full``); on ``s3://`` the server becomes
-    unreachable at that key (``tests.s3.Gate`` cuts every connection, as connection ``hvd_s3_gate``)."""
+    unreachable at that key (``tests.s3.Gate`` cuts every connection, as a connection of its own)."""
 
     def __init__(self, root: str, cause: str, gate=None) -> None:
         self.root, self.cause, self.gate = root, cause, gate
@@ -217,9 +217,10 @@ def failing_store(request, tmp_path, monkeypatch):
 
     server = request.getfixturevalue("s3_server")
     gate = s3.Gate(server)
-    monkeypatch.setenv("AIRFLOW_CONN_HVD_S3_GATE", gate.connection())
+    for name, value in gate.environment().items():
+        monkeypatch.setenv(name, value)
     try:
-        yield FailingStore(s3.uri(server.new_bucket(), "store", conn_id="hvd_s3_gate"), r".*(Connection|connect)", gate)
+        yield FailingStore(s3.uri(server.new_bucket(), "store", conn_id=gate.conn_id), r".*(Connection|connect)", gate)
     finally:
         gate.close()
 

@@ -20,12 +20,9 @@ No behaviour depends on either option.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -73,31 +70,26 @@ class ArchiveMaker:
         os.unlink(self.tmp)
         env = dict(os.environ, SPARK_SUBMIT_OPTS="-XX:TieredStopAtLevel=1 -XX:ArchiveClassesAtExit=%s %s" % (self.tmp, QUIET))
         env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        # The JVM writes the archive as it exits, after the Python that started it: both hold the
-        # stdout pipe, so its end (EOF) says the archive is written.
         self.proc: subprocess.Popen | None = None
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", WARM_UP], env=env, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except OSError:
             pass
 
     def done(self) -> bool:
-        if self.proc is None:
-            return True
-        return self.proc.poll() is not None and bool(select.select([self.proc.stdout], [], [], 0)[0])
+        return self.proc is None or self.proc.poll() is not None
 
     def finish(self, timeout: float = 300) -> bool:
-        """Wait for the warm-up session and its JVM (killed after ``timeout``); whether the archive is there."""
+        """Wait for the warm-up session (killed after ``timeout``); whether the archive is there."""
         try:
             if self.proc is not None:
                 try:
-                    self.proc.communicate(timeout=timeout)
+                    code = self.proc.wait(timeout)
                 except subprocess.TimeoutExpired:
-                    with contextlib.suppress(OSError):
-                        os.killpg(self.proc.pid, signal.SIGKILL)
-                    self.proc.communicate()
-                if self.proc.returncode == 0 and os.path.getsize(self.tmp) > 0:
+                    self.proc.kill()
+                    code = self.proc.wait()
+                if code == 0 and os.path.getsize(self.tmp) > 0:
                     os.replace(self.tmp, self.path)
         except OSError:
             pass

@@ -6,7 +6,6 @@ import os
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import psutil
 import pytest
@@ -22,35 +21,9 @@ os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
 
 
-_archive: jvm.ArchiveMaker | None = None
-
-
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Every Spark JVM of the suite starts with ``tests/jvm.py``'s options (set before any starts).
-    A missing class-data archive is made in the background while the unit tests run (``testpaths``
-    puts them first): the JVMs they start go without it."""
-    global _archive
-    _archive = jvm.start_archive()
-    os.environ.update(jvm.environment(make=False))
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Once the archive is made (at the latest before the first test outside ``tests/unit``, so no
-    other test runs beside its JVM), every JVM started from then on uses it."""
-    global _archive
-    if _archive is not None and (_archive.done() or UNIT_TESTS not in item.path.parents):
-        _archive.finish()
-        _archive = None
-        os.environ.update(jvm.environment(make=False))
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A session of unit tests alone may end first: the archive is finished for the next one, not left half-made."""
-    if _archive is not None:
-        _archive.finish()
-
-
-UNIT_TESTS = Path(__file__).resolve().parent / "unit"
+    """Every Spark JVM of the suite starts with ``tests/jvm.py``'s options (set before any starts)."""
+    os.environ.update(jvm.environment())
 
 
 @pytest.fixture(scope="session")

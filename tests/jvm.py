@@ -7,8 +7,7 @@ sessions, ``airflow dags test``, the deployment's tasks and the subprocess tests
 - ``-XX:SharedArchiveFile``: the classes a session and a barrier job load, archived once per
   virtualenv, PySpark and JDK (AppCDS), so each JVM maps them instead of parsing and verifying them
   from Spark's jars again: a ``local[2]`` session plus one job, 16.1-17.4 s -> 7.6-8.8 s (load
-  1.4-1.6). The archive is made by a throwaway session the first time (30-46 s here; in the suite
-  beside the unit tests, which run first and start almost no JVM). A JVM whose class
+  1.4-1.6). The archive is made by a throwaway session the first time (30-46 s here). A JVM whose class
   path differs (another ``SPARK_CONF_DIR``, another PySpark) or that finds the jars changed ignores
   it and starts as before; ``-Xlog:cds`` is off so that says nothing in the logs the tests read.
 
@@ -58,73 +57,34 @@ def archive() -> Path | None:
     return Path(sys.prefix) / "spark-cds" / ("pyspark-%s-%s.jsa" % (pyspark.__version__, key))
 
 
-class ArchiveMaker:
-    """The warm-up session run with ``-XX:ArchiveClassesAtExit`` into a temporary name, which becomes
-    the archive only once the JVM exited well: the archive appears whole or not at all."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(dir=path.parent, prefix=".making-", suffix=".jsa")
-        os.close(fd)
-        os.unlink(self.tmp)
-        env = dict(os.environ, SPARK_SUBMIT_OPTS="-XX:TieredStopAtLevel=1 -XX:ArchiveClassesAtExit=%s %s" % (self.tmp, QUIET))
-        env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        self.proc: subprocess.Popen | None = None
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-c", WARM_UP], env=env, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        except OSError:
-            pass
-
-    def done(self) -> bool:
-        return self.proc is None or self.proc.poll() is not None
-
-    def finish(self, timeout: float = 300) -> bool:
-        """Wait for the warm-up session (killed after ``timeout``); whether the archive is there."""
-        try:
-            if self.proc is not None:
-                try:
-                    code = self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    code = self.proc.wait()
-                if code == 0 and os.path.getsize(self.tmp) > 0:
-                    os.replace(self.tmp, self.path)
-        except OSError:
-            pass
-        finally:
-            if os.path.exists(self.tmp):
-                os.unlink(self.tmp)
-        return self.path.exists()
-
-
 def make_archive(path: Path) -> bool:
-    """Make the archive now (a benchmark's JVMs start after it)."""
-    return ArchiveMaker(path).finish()
+    """Run the warm-up session with ``-XX:ArchiveClassesAtExit``; the archive appears whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".making-", suffix=".jsa")
+    os.close(fd)
+    os.unlink(tmp)
+    env = dict(os.environ, SPARK_SUBMIT_OPTS="-XX:TieredStopAtLevel=1 -XX:ArchiveClassesAtExit=%s %s" % (tmp, QUIET))
+    env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    try:
+        done = subprocess.run([sys.executable, "-c", WARM_UP], env=env, capture_output=True, timeout=300)
+        if done.returncode == 0 and os.path.getsize(tmp) > 0:
+            os.replace(tmp, path)
+            return True
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return False
 
 
-def start_archive() -> ArchiveMaker | None:
-    """Start making this virtualenv's archive in the background when it is missing (and the JVM
-    options are this module's): the suite's unit tests, which start almost no JVM, run beside it,
-    and ``environment()`` names it once ``finish()`` returned."""
-    if os.environ.get("SPARK_SUBMIT_OPTS") and OURS not in os.environ:
-        return None
-    path = archive()
-    if path is None or path.exists():
-        return None
-    print("\nMaking the class-data archive of Spark's driver JVM beside the unit tests, once per virtualenv "
-          "(30-46 s here): %s" % path, file=sys.stderr, flush=True)
-    return ArchiveMaker(path)
-
-
-def environment(make: bool = True) -> dict[str, str]:
+def environment() -> dict[str, str]:
     """``SPARK_SUBMIT_OPTS`` and ``SPARK_DAEMON_JAVA_OPTS`` (the standalone clusters' masters and
-    workers) for this session, and ``OURS``, making the archive first if it is missing (``make``;
-    else without it until it is there); a variable the user set is left as it is."""
+    workers) for this session, and ``OURS``, making the archive first if it is missing; a variable
+    the user set is left as it is."""
     if os.environ.get("SPARK_SUBMIT_OPTS") and OURS not in os.environ:
         return {}
-    options = " ".join(["-XX:TieredStopAtLevel=1", archive_options(make)]).strip()
+    options = " ".join(["-XX:TieredStopAtLevel=1", archive_options()]).strip()
     env = {"SPARK_SUBMIT_OPTS": options, OURS: options}
     if not os.environ.get("SPARK_DAEMON_JAVA_OPTS") or OURS in os.environ:
         env["SPARK_DAEMON_JAVA_OPTS"] = options
@@ -140,10 +100,10 @@ def executor_conf() -> dict[str, str]:
     return {"spark.executor.extraJavaOptions": options} if options else {}
 
 
-def archive_options(make: bool = True) -> str:
-    """The JVM options that use the archive (made first if missing and ``make``), or "" without one."""
+def archive_options() -> str:
+    """The JVM options that use the archive (made first if missing), or "" without one."""
     path = archive()
-    if make and path is not None and not path.exists():
+    if path is not None and not path.exists():
         print("\nMaking the class-data archive of Spark's driver JVM, once per virtualenv (30-46 s here): %s" % path,
               file=sys.stderr, flush=True)
         if not make_archive(path):

@@ -127,9 +127,10 @@ class HorovodRunnerOperator(BaseOperator):
         within ``start_timeout`` (``runtime.size()`` says how many); ``None`` (default): ``np``. (templated)
     :param progress_interval: seconds between two ``Horovod progress:`` lines in the task log (from
         rank 0's ``runtime.report``); defaults to ``[horovod] progress_interval`` (30).
-    :param retry_policy: Airflow's retry policy (AIP-105); by default a ``HorovodRetryPolicy``, which
-        fails at once when no retry can help (the training function raised, a payload, dataset or
-        environment error) and retries too few slots or a lost host; ``None``: Airflow's own rule
+    :param retry_policy: Airflow's retry policy (AIP-105), an instance; by default a ``HorovodRetryPolicy``,
+        which fails at once when no retry can help (the training function raised or crashed, a payload,
+        dataset or environment error, too few slots on a ``local[N]`` master) and retries too few slots or a
+        lost host, after its own delays unless the task sets ``retry_delay``; ``None``: Airflow's own rule
         (every failure retried ``retries`` times).
     """
 
@@ -178,9 +179,13 @@ class HorovodRunnerOperator(BaseOperator):
         min_np: int | str | None = None,
         **kwargs: Any,
     ) -> None:
-        if "retry_policy" not in kwargs and "retry_policy" not in (kwargs.get("default_args") or {}):
+        defaults = kwargs.get("default_args") or {}
+        if "retry_policy" not in kwargs and "retry_policy" not in defaults:
             kwargs["retry_policy"] = retry.HorovodRetryPolicy()  # the task's own, even None, stays
+        retry.check_policy(kwargs.get("retry_policy", defaults.get("retry_policy")))
         super().__init__(**kwargs)
+        if ("retry_delay" in kwargs or "retry_delay" in defaults) and isinstance(self.retry_policy, retry.HorovodRetryPolicy):
+            self.retry_policy = self.retry_policy.for_task(self.retry_delay)  # the policy's delays replace Airflow's default only
         # not templated: checked when the DAG is parsed, as the engine would check them
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
                       max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline,

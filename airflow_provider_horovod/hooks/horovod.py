@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -70,6 +71,43 @@ EXTRA_TO_CONF = {
 
 
 _CREATED: dict[str, Any] = {}  # the classic SparkSession a hook of this process created last, and its conf
+
+
+# Artifact roots: the schemes that are local folders, and what makes the others work.
+LOCAL_SCHEMES = ("file", "local")
+# A scheme followed by one slash or none ("s3:/bucket/x", "s3:bucket"): a URL written wrong, which would
+# otherwise be a local folder named "s3:" under AIRFLOW_HOME.
+MALFORMED_ROOT = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)")
+FILESYSTEM_EXTRAS = {
+    "s3": "Install the s3 extra: pip install \"airflow-provider-horovod[s3]\" (Airflow's Amazon provider with s3fs).",
+    "gs": "Install Airflow's Google provider with gcsfs: pip install \"apache-airflow-providers-google\" gcsfs.",
+    "gcs": "Install Airflow's Google provider with gcsfs: pip install \"apache-airflow-providers-google\" gcsfs.",
+    "abfs": "Install Airflow's Microsoft Azure provider with adlfs: pip install "
+            "\"apache-airflow-providers-microsoft-azure\" adlfs.",
+}
+FILESYSTEM_MODULES = {"s3": ("s3fs",), "gs": ("gcsfs",), "gcs": ("gcsfs",), "abfs": ("adlfs",)}
+
+
+def check_root_syntax(root: str, what: str = "artifact_root") -> None:
+    """A root that looks like a URL must be one (``scheme://...``); ``ArtifactError`` naming the fix otherwise.
+    A pure check: it runs when a DAG is parsed too."""
+    found = MALFORMED_ROOT.match(root.strip())
+    if found is None or len(found.group(1)) < 2:  # "C:..." is no scheme this provider knows either, but a path
+        return
+    scheme, rest = found.group(1), root.strip()[found.end():].lstrip("/")
+    meant = ("%s:///%s" if scheme.lower() in LOCAL_SCHEMES else "%s://%s") % (scheme, rest)
+    raise ArtifactError(
+        "%s %r is not a URL: a scheme needs two slashes (%s), and as it is the artifacts would go to a local "
+        "folder named %r. Write %s, or an absolute path (/data/horovod) for a local folder."
+        % (what, root, meant, scheme + ":", meant))
+
+
+def _without_password(root: str) -> str:
+    """``root`` for a message: a password in its user info (``s3://key:secret@bucket``) is not repeated."""
+    parts = urlsplit(root)
+    if parts.password is None:
+        return root
+    return root.replace(":%s@" % parts.password, ":***@", 1)
 
 
 class SparkConnectionError(ValueError):
@@ -402,9 +440,48 @@ class HorovodRunnerHook(BaseHook):
 
     @classmethod
     def _absolute(cls, root: str) -> str:
+        check_root_syntax(root)
         if "://" in root or os.path.isabs(os.path.expanduser(root)):
             return root
         return os.path.join(cls._airflow_home(), root)
+
+    @classmethod
+    def check_artifact_root(cls, root: str) -> None:
+        """Before Spark starts: ``root``'s file system is installed and the connection it names is defined;
+        else an ``ArtifactError`` that names the missing extra or connection (instead of a write probe that
+        fails seconds later and reads like an endpoint or IAM problem)."""
+        check_root_syntax(root)
+        parts = urlsplit(root) if "://" in root else None
+        if parts is None or parts.scheme in LOCAL_SCHEMES:
+            return
+        from airflow.sdk.io.fs import has_fs
+
+        install = FILESYSTEM_EXTRAS.get(parts.scheme)
+        missing = [module for module in FILESYSTEM_MODULES.get(parts.scheme, ())
+                   if importlib.util.find_spec(module) is None]
+        if not has_fs(parts.scheme) or missing:
+            raise ArtifactError(
+                "The artifact root %s needs a file system for %s://, which is not installed in this Airflow worker's "
+                "Python%s. %s No Spark was started." % (
+                    _without_password(root), parts.scheme, " (%s cannot be imported)" % ", ".join(missing) if missing else "",
+                    install or "Check the scheme's spelling (file://, s3://, gs://, abfs://), or install the Airflow "
+                               "provider that registers a file system for it."))
+        conn_id = parts.username
+        if conn_id:
+            cls._require_connection(root, conn_id)
+
+    @classmethod
+    def _require_connection(cls, root: str, conn_id: str) -> None:
+        from airflow.sdk.exceptions import AirflowNotFoundException
+
+        try:
+            BaseHook.get_connection(conn_id)
+        except AirflowNotFoundException:
+            raise ArtifactError(
+                "The artifact root %s names the Airflow connection %r, which is not defined here. Define it (e.g. "
+                "airflow connections add %s --conn-type aws ..., or AIRFLOW_CONN_%s in the worker's environment) or "
+                "fix the name in the URL (scheme://<conn_id>@<bucket>/<prefix>). No Spark was started."
+                % (_without_password(root), conn_id, conn_id, conn_id.upper())) from None
 
     @classmethod
     def resume_roots(cls, artifact_root: str | None) -> list[str]:

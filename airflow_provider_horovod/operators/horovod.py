@@ -17,7 +17,7 @@ from airflow.sdk.definitions._internal.mixins import ResolveMixin
 from airflow_provider_horovod import retry, store
 from airflow_provider_horovod.exceptions import HorovodRunError
 from airflow_provider_horovod.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsRecorder, check_progress_interval
-from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
+from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook, check_root_syntax
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.driver.restarts import AttemptRecord
@@ -193,6 +193,8 @@ class HorovodRunnerOperator(BaseOperator):
         check_restarts(max_restarts, None if _rendered_later(min_np) else min_np, np)
         check_when_parsed(training_callable, np=np, op_args=op_args, op_kwargs=op_kwargs, resume=resume)
         check_dataset(dataset, templated=True)
+        if isinstance(artifact_root, str) and not _rendered_later(artifact_root):
+            check_root_syntax(artifact_root)
         if dataset is not None and isinstance(np, int) and np < 0:
             raise ValueError("dataset= needs np > 0: it reaches the ranks through the barrier stage; got np=%d" % np)
         self.training_callable = training_callable
@@ -261,8 +263,10 @@ class HorovodRunnerOperator(BaseOperator):
     def _try_folder(self, context: Context) -> ObjectStoragePath:
         ti = context["ti"]
         map_index = getattr(ti, "map_index", -1)
+        root = self.hook.artifact_root(self.artifact_root)
+        self.hook.check_artifact_root(root)  # a missing extra or connection, named before anything starts
         folder = store.prepare_try(
-            self.hook.artifact_root(self.artifact_root), dag_id=ti.dag_id, run_id=ti.run_id,
+            root, dag_id=ti.dag_id, run_id=ti.run_id,
             task_id=ti.task_id, try_number=ti.try_number, map_index=map_index if isinstance(map_index, int) else -1,
         )
         self.log.info("Artifacts of this try go to %s", folder)

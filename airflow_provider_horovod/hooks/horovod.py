@@ -292,6 +292,7 @@ class HorovodRunnerHook(BaseHook):
             builder = builder.remote(target.remote)
             self._owns_session = True
         else:
+            check_jvm_conf(conf)  # before an earlier task's session is stopped for this one
             active = self._active_session({**conf, "spark.master": str(target.master)})
             self._owns_session = active is None
             builder = builder.master(target.master)
@@ -310,8 +311,12 @@ class HorovodRunnerHook(BaseHook):
         check_reachable(target)
         if target.remote:
             return
+        launch = {**conf, "spark.master": str(target.master), "spark.app.name": self.app_name}
+        if _JVM_LAUNCH.get("conf") is not None:  # an earlier task of this process started the JVM
+            reuse_jvm(launch, self.log)
+            return
         try:
-            start_jvm({**conf, "spark.master": str(target.master), "spark.app.name": self.app_name}, JVM_LOG)
+            start_jvm(launch, JVM_LOG)
         except GatewayExitedError as err:
             raise SparkConnectionError(gateway_exited_message(target, err.lines)) from None
 
@@ -570,6 +575,7 @@ def start_jvm(conf: dict[str, str], logger: logging.Logger) -> None:
 
     if SparkContext._gateway is not None:
         return
+    _JVM_LAUNCH["conf"] = dict(conf)
     fd, path = tempfile.mkstemp(prefix="hvd-jvm-", suffix=".log")
     try:
         read_fd = os.open(path, os.O_RDONLY)
@@ -580,12 +586,70 @@ def start_jvm(conf: dict[str, str], logger: logging.Logger) -> None:
             gateway = launch_gateway(SparkConf(loadDefaults=False),
                                      popen_kwargs={"stdout": fd, "stderr": fd, "start_new_session": True})
     except PySparkRuntimeError as err:
+        _JVM_LAUNCH.clear()
         if err.getCondition() != "JAVA_GATEWAY_EXITED":
             raise
         raise GatewayExitedError(output.finish()) from None
     finally:
         os.close(fd)
     SparkContext._ensure_initialized(gateway=gateway)
+
+
+# The Spark conf this process's JVM was started with (spark-submit made each key a Java system property,
+# which every later SparkContext of the JVM reads as its default); empty until a hook starts the JVM.
+_JVM_LAUNCH: dict[str, dict[str, str]] = {}
+# Spark conf that takes effect only when the driver's JVM starts: its memory, options and class path (what
+# spark-submit resolves into them), and its Kerberos login. A later SparkContext in the same JVM cannot change it.
+JVM_LAUNCH_KEYS = frozenset({
+    "spark.driver.memory", "spark.driver.extraJavaOptions", "spark.driver.defaultJavaOptions",
+    "spark.driver.extraClassPath", "spark.driver.extraLibraryPath", "spark.driver.userClassPathFirst",
+    "spark.jars", "spark.jars.packages", "spark.jars.repositories", "spark.jars.excludes", "spark.jars.ivy",
+    "spark.jars.ivySettings", "spark.kerberos.keytab", "spark.kerberos.principal",
+})
+
+
+def launch_conflicts(wanted: dict[str, str], launched: dict[str, str]) -> list[str]:
+    """The keys of ``wanted`` that cannot take effect in a JVM started with ``launched``: JVM-start keys whose
+    value differs (set, changed or unset). A pure function."""
+    return sorted(key for key in JVM_LAUNCH_KEYS if wanted.get(key) != launched.get(key))
+
+
+def check_jvm_conf(conf: dict[str, str]) -> None:
+    """When an earlier task of this process started the JVM (``airflow dags test`` runs every task in one
+    process): ``SparkConnectionError`` for conf that only a new JVM could apply, naming it and why."""
+    launched = _JVM_LAUNCH.get("conf")
+    conflicts = [] if launched is None else launch_conflicts(conf, launched)
+    if conflicts:
+        raise SparkConnectionError(
+            "This task's Spark conf cannot take effect: this process's Spark JVM was started by an earlier task, and a "
+            "JVM's memory, options and class path are fixed when it starts (%s). This happens when several tasks "
+            "run in one process, as under `airflow dags test`; a scheduler runs each task in a process of its own. "
+            "Give these tasks the same values (the connection's extras are one place for them), or run the tasks "
+            "separately." % "; ".join("%s is %s here, %s in the JVM" % (
+                key, _shown(conf.get(key)), _shown(launched.get(key))) for key in conflicts))
+
+
+def reuse_jvm(conf: dict[str, str], log: logging.Logger) -> None:
+    """A new SparkSession in the JVM an earlier task of this process started: the earlier task's conf is
+    cleared from the JVM's system properties (where spark-submit put it, and where every new SparkContext
+    reads its defaults), so the new session has this task's conf and nothing of the earlier one's. A key
+    the earlier task set then has Spark's own default, even where ``spark-defaults.conf`` sets it."""
+    from pyspark import SparkContext
+
+    check_jvm_conf(conf)
+    launched = _JVM_LAUNCH["conf"]
+    stale = sorted(key for key in launched if key not in conf)
+    system = SparkContext._jvm.java.lang.System
+    for key in stale:
+        system.clearProperty(key)
+    if stale:
+        log.info("Cleared the Spark conf an earlier task of this process started the JVM with (%s): this task's "
+                 "session has its own conf only.", ", ".join(stale))
+    _JVM_LAUNCH["conf"] = {key: value for key, value in launched.items() if key in conf}
+
+
+def _shown(value: str | None) -> str:
+    return "unset" if value is None else repr(value)
 
 
 class GatewayExitedError(RuntimeError):

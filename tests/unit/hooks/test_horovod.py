@@ -476,3 +476,16 @@ def test_a_spark_submit_that_exits_names_the_connection_its_master_and_what_it_p
     assert printed in said and advice.startswith(fix)
     assert ("airflow connections delete spark_default" in advice) == (conn_id == DEFAULT_YARN)
     assert not got["jvm"]
+
+
+def test_only_conf_a_new_jvm_would_apply_conflicts_with_the_jvm_an_earlier_task_started():
+    from airflow_provider_horovod.hooks.horovod import launch_conflicts
+
+    launched = {"spark.master": "local[2]", "spark.driver.memory": "2g", "spark.task.maxFailures": "7"}
+    assert launch_conflicts({"spark.master": "local[2]", "spark.driver.memory": "2g"}, launched) == []
+    assert launch_conflicts({"spark.driver.memory": "2g", "spark.dynamicAllocation.enabled": "true"}, launched) == []
+    assert launch_conflicts({"spark.driver.memory": "4g"}, launched) == ["spark.driver.memory"]
+    assert launch_conflicts({}, launched) == ["spark.driver.memory"]  # unset here: the JVM keeps its 2g
+    assert launch_conflicts({"spark.driver.memory": "2g", "spark.jars.packages": "org:a:1",
+                             "spark.driver.extraJavaOptions": "-Dx=1"}, launched) == [
+        "spark.driver.extraJavaOptions", "spark.jars.packages"]

@@ -193,6 +193,9 @@ class HorovodRunnerOperator(BaseOperator):
         check_restarts(max_restarts, None if _rendered_later(min_np) else min_np, np)
         check_when_parsed(training_callable, np=np, op_args=op_args, op_kwargs=op_kwargs, resume=resume)
         check_dataset(dataset, templated=True)
+        check_kinds(training_callable, env=env)
+        if not (mlflow_conn_id is None or isinstance(mlflow_conn_id, str)):
+            raise TypeError("mlflow_conn_id must be the id of an Airflow connection (a str) or None; got %r." % (mlflow_conn_id,))
         if isinstance(artifact_root, str) and not _rendered_later(artifact_root):
             check_root_syntax(artifact_root)
         if dataset is not None and isinstance(np, int) and np < 0:
@@ -562,9 +565,31 @@ def check_when_parsed(training_callable: Any, *, np: Any, op_args: Any, op_kwarg
         validate_np(np)
     if not _rendered_later(resume):
         validate_resume(resume)
+    check_kinds(training_callable, op_args=op_args, op_kwargs=op_kwargs)
     args, kwargs = op_args or [], op_kwargs or {}
     if callable(training_callable) and isinstance(args, (list, tuple)) and isinstance(kwargs, dict):
         check_arguments(training_callable, tuple(args), kwargs)  # names and number only: values may be templates
+
+
+def check_kinds(training_callable: Any, *, op_args: Any = None, op_kwargs: Any = None, env: Any = None) -> None:
+    """Values of a kind that would be accepted when the DAG is parsed and fail (or mean something else) later:
+    a ``TypeError`` naming the fix. A string ``op_args`` would become one argument per character."""
+    if not (callable(training_callable) or isinstance(training_callable, str)):
+        raise TypeError("training_callable must be a function or a 'package.module:function' string; got %r (a %s)."
+                        % (training_callable, type(training_callable).__name__))
+    if not (op_args is None or isinstance(op_args, (list, tuple)) or _rendered_later(op_args)):
+        raise TypeError("op_args must be a list of positional arguments; got %r (a %s). For one argument: op_args=[value]."
+                        % (op_args, type(op_args).__name__))
+    if not (op_kwargs is None or isinstance(op_kwargs, dict) or _rendered_later(op_kwargs)):
+        raise TypeError("op_kwargs must be a dict of keyword arguments; got %r (a %s)." % (op_kwargs, type(op_kwargs).__name__))
+    if env is None or _rendered_later(env):
+        return
+    if not isinstance(env, dict):
+        raise TypeError("env must be a dict of environment variables for every rank; got %r (a %s)." % (env, type(env).__name__))
+    bad = {k: v for k, v in env.items() if not isinstance(k, str) or not (isinstance(v, str) or _rendered_later(v))}
+    if bad:
+        raise TypeError("env must map names to strings (environment values are text): fix %s, e.g. {\"OMP_NUM_THREADS\": "
+                        "\"4\"}." % ", ".join("%r: %r" % item for item in bad.items()))
 
 
 def _rendered_later(value: Any) -> bool:

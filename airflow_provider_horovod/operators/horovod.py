@@ -196,6 +196,11 @@ class HorovodRunnerOperator(BaseOperator):
         check_kinds(training_callable, env=env)
         if not (mlflow_conn_id is None or isinstance(mlflow_conn_id, str)):
             raise TypeError("mlflow_conn_id must be the id of an Airflow connection (a str) or None; got %r." % (mlflow_conn_id,))
+        if not isinstance(spark_conn_id, str):
+            raise TypeError("spark_conn_id must be the id of an Airflow connection (a str); got %r." % (spark_conn_id,))
+        if not (spark_conf is None or isinstance(spark_conf, dict) or _rendered_later(spark_conf)):
+            raise TypeError("spark_conf must be a dict of Spark conf ({\"spark.executor.memory\": \"4g\"}); got %r (a %s)."
+                            % (spark_conf, type(spark_conf).__name__))
         if isinstance(artifact_root, str) and not _rendered_later(artifact_root):
             check_root_syntax(artifact_root)
         if dataset is not None and isinstance(np, int) and np < 0:

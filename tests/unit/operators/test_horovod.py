@@ -61,6 +61,8 @@ def test_engine_options_are_checked_when_the_dag_is_parsed(option, value, messag
     ({"env": {"OMP_NUM_THREADS": 4}}, "env must map names to strings (environment values are text): fix 'OMP_NUM_THREADS': 4"),
     ({"env": "OMP_NUM_THREADS=4"}, "env must be a dict of environment variables for every rank"),
     ({"mlflow_conn_id": {"host": "x"}}, "mlflow_conn_id must be the id of an Airflow connection"),
+    ({"spark_conn_id": None}, "spark_conn_id must be the id of an Airflow connection (a str); got None"),
+    ({"spark_conf": [("spark.executor.memory", "4g")]}, "spark_conf must be a dict of Spark conf"),
 ])
 def test_a_value_of_the_wrong_kind_is_refused_when_the_dag_is_parsed_not_when_it_runs(kwargs, message):
     """Each was accepted before: a str op_args became one argument per character, a non-str env value failed

@@ -204,7 +204,7 @@ class HorovodRetryPolicy(RetryPolicy):
 
     def _effective(self, cause: str) -> timedelta:
         delay = self.delay_for(cause)
-        return self.task_retry_delay if delay is None else delay
+        return delay if delay is not None else (self.task_retry_delay or timedelta(0))
 
     def for_task(self, retry_delay: timedelta | float) -> HorovodRetryPolicy:
         """This policy for a task that set ``retry_delay`` itself: the delays this policy was not given

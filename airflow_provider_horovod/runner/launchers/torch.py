@@ -23,10 +23,14 @@ instead of a few milliseconds here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
+
+from airflow_provider_horovod.exceptions import TorchStoreError
 
 from airflow_provider_horovod.runner import names
 from airflow_provider_horovod.runner.events import Failure
@@ -38,21 +42,32 @@ from airflow_provider_horovod.runner.plan import Plan, Slot
 
 
 class PortHold(Services):
-    """Partition 0's hold on ``MASTER_PORT``, for as long as the attempt runs: bound with
-    ``SO_REUSEADDR`` and never listening. Rank 0's store binds the port over it (c10d's listener,
-    libuv's or its own, sets ``SO_REUSEADDR`` too), while no ``connect`` or ``bind`` elsewhere on the
-    host can take it: released before rank 0 started, the port could go to another process first."""
+    """Partition 0's ``MASTER_PORT``, for as long as the attempt runs: bound on the plan's address only
+    (loopback for ``np < 0``) and listening from the moment the task starts, so no other process can
+    bind it, on that address or any other (no ``SO_REUSEADDR``; a listening socket is never shared).
+    Rank 0 is handed this very socket (``pass_fds``, its number in ``STORE_FD_ENV``) and its store
+    serves on it: torch never binds the port itself, so it cannot bind every address, fail to bind,
+    or become a client of whoever took the port (issue 49, T5-1 and T5-2). A rank that connects before
+    rank 0's store serves waits in the socket's backlog."""
 
     def __init__(self, address: str | None) -> None:
         self._sock: socket.socket | None = None
         if address is not None:
-            self._sock = socket.socket()
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
             self._sock.bind((address, 0))
+            self._sock.listen(socket.SOMAXCONN)
         self.port = self._sock.getsockname()[1] if self._sock is not None else 0
 
     def ports(self) -> dict[str, int]:
         return {"master_port": self.port} if self._sock is not None else {}
+
+    def pass_fds(self, slot: Slot) -> tuple[int, ...]:
+        """What the rank of ``slot`` inherits: rank 0, the listening socket its store serves on."""
+        return (self._sock.fileno(),) if self._sock is not None and slot.rank == 0 else ()
+
+    def store_env(self, slot: Slot) -> dict[str, str]:
+        """``STORE_FD_ENV`` for rank 0 (the number of the socket it inherits)."""
+        return {STORE_FD_ENV: str(self._sock.fileno())} if self._sock is not None and slot.rank == 0 else {}
 
     def close(self) -> None:
         if self._sock is not None:
@@ -107,17 +122,22 @@ def slot_env(plan: Plan, slot: Slot, run_id: str, master: tuple[str, int], env: 
 
 def start(spec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], services: PortHold,
           client) -> Failure | None:
-    """This task's own rank; partition 0's rank hosts the store at ``MASTER_PORT`` (held by ``services``)."""
+    """This task's own rank; partition 0's rank hosts the store on ``MASTER_PORT``, the socket ``services`` listens on."""
     root = plan.slots[0]
     return run_rank_processes([plan.for_partition(partition)], env,
-                              lambda slot: slot_env(plan, slot, spec.run_id, (root.address, root.master_port), env))
+                              lambda slot: {**slot_env(plan, slot, spec.run_id, (root.address, root.master_port), env),
+                                            **services.store_env(slot)},
+                              pass_fds=services.pass_fds)
 
 
 def start_local(spec, plan: Plan, task: TaskDir, env: dict[str, str]) -> Failure | None:
+    """``np < 0``: every rank on the driver; the store on loopback only, as every other endpoint of such a run."""
     hold = PortHold(LOOPBACK)
     try:
         return run_rank_processes(list(plan.slots), env,
-                                  lambda slot: slot_env(plan, slot, spec.run_id, (LOOPBACK, hold.port), env))
+                                  lambda slot: {**slot_env(plan, slot, spec.run_id, (LOOPBACK, hold.port), env),
+                                                **hold.store_env(slot)},
+                                  pass_fds=hold.pass_fds)
     finally:
         hold.close()
 
@@ -126,27 +146,84 @@ def start_local(spec, plan: Plan, task: TaskDir, env: dict[str, str]) -> Failure
 STORE_WAIT_S = 600.0  # how long a rank waits for rank 0's store: rank 0 imports torch first, on a busy host too
 READY_WAIT_S = 60.0  # how long rank 0, done, keeps its store for ranks that have not reached it yet
 READY_KEY = "hvdrunner/ready"  # each rank but 0 adds 1 once it has reached the store
+STORE_FD_ENV = "HVDRUNNER_STORE_FD"  # rank 0: the descriptor of the listening socket its task holds on MASTER_PORT
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # set: torch's server ignores a failed bind and becomes a client
 _store: Any = None  # rank 0's store: it lives as long as the rank process
 
 
 def before_main() -> None:
     """Every rank, before the training function: torch.distributed imported; rank 0 starts the
-    store at ``MASTER_ADDR:MASTER_PORT``, the other ranks wait until it accepts connections, so that
-    no ``init_process_group`` connects too early and retries a second later. Each of them then says
-    so in the store, and rank 0, done before them (a function that never calls
-    ``init_process_group``), keeps the store until they all have: else a late rank waits for a
-    store that is gone."""
+    store on the socket its task listens on at ``MASTER_ADDR:MASTER_PORT``, the other ranks wait
+    until it answers, so that no ``init_process_group`` connects too early and retries a second
+    later. Each of them then says so in the store, and rank 0, done before them (a function that
+    never calls ``init_process_group``), keeps the store until they all have: else a late rank
+    waits for a store that is gone."""
     global _store
     import atexit
+
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ["RANK"] == "0":
+        _store = host_store(address, port, int(os.environ["WORLD_SIZE"]))
+        atexit.register(_wait_for_ranks, _store, int(os.environ["WORLD_SIZE"]) - 1)
+        return
+    _join_store(address, port)
+
+
+def host_store(address: str, port: int, world_size: int) -> Any:
+    """Rank 0's ``TCPStore`` server on the listening socket its task handed it (``STORE_FD_ENV``),
+    never on a bind of its own (torch's would take every address of the host). Without
+    ``AGENT_STORE_ENV`` while it starts, so that a store that cannot serve fails this rank
+    (``TorchStoreError``) instead of quietly making it a client of whatever listens on the port."""
+    import torch.distributed as dist
+
+    fd = _listening_fd(address, port)
+    try:
+        with _without_env(AGENT_STORE_ENV):
+            return dist.TCPStore(address, port, world_size, is_master=True, wait_for_workers=False,
+                                 master_listen_fd=fd)
+    except (RuntimeError, ValueError) as err:
+        raise TorchStoreError("Rank 0 could not serve torch.distributed's store on the socket its task holds at "
+                              "%s:%d (%s). Start the rank with the runner (launcher=\"torch\"), which hands it "
+                              "that socket." % (address, port, err)) from err
+
+
+def _listening_fd(address: str, port: int) -> int:
+    """The descriptor ``STORE_FD_ENV`` names, checked: a socket listening on ``port``; else ``TorchStoreError``."""
+    text = os.environ.get(STORE_FD_ENV, "")
+    why = "%s is not set" % STORE_FD_ENV
+    if text.isdigit():
+        try:
+            with socket.socket(fileno=os.dup(int(text))) as sock:
+                listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                why = "descriptor %s is %s on port %d" % (text, "listening" if listening else "not listening",
+                                                          sock.getsockname()[1])
+                if listening and sock.getsockname()[1] == port:
+                    return int(text)
+        except OSError as err:
+            why = "descriptor %s is no socket (%s)" % (text, err)
+    raise TorchStoreError("Rank 0 has no listening socket for torch.distributed's store at %s:%d (%s): it never "
+                          "binds the port itself, where any address of the host reaches it and another process "
+                          "can take it first. Start the rank with the runner (launcher=\"torch\"), which holds "
+                          "MASTER_PORT and hands the socket to rank 0." % (address, port, why))
+
+
+@contextlib.contextmanager
+def _without_env(name: str) -> Iterator[None]:
+    """``name`` unset in this process while inside (torch reads it with ``getenv``), then as it was."""
+    value = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ[name] = value
+
+
+def _join_store(address: str, port: int) -> None:
+    """Every rank but 0: wait (``STORE_WAIT_S``) until rank 0's store answers, then say so in it."""
     import datetime
 
     import torch.distributed as dist
 
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if os.environ["RANK"] == "0":
-        _store = dist.TCPStore(address, port, int(os.environ["WORLD_SIZE"]), is_master=True, wait_for_workers=False)
-        atexit.register(_wait_for_ranks, _store, int(os.environ["WORLD_SIZE"]) - 1)
-        return
     deadline = time.monotonic() + STORE_WAIT_S
     while True:
         try:
@@ -154,11 +231,20 @@ def before_main() -> None:
             break
         except OSError:
             if time.monotonic() > deadline:
-                raise RuntimeError("Rank 0's torch.distributed store at %s:%d did not come up within %d s."
-                                   % (address, port, STORE_WAIT_S)) from None
+                raise _store_never_came(address, port) from None
             time.sleep(0.01)
-    store = dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=READY_WAIT_S))
+    try:  # the task listens from its start: the connection waits in its backlog until rank 0's store serves
+        store = dist.TCPStore(address, port, is_master=False,
+                              timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), READY_WAIT_S)))
+    except RuntimeError as err:
+        raise _store_never_came(address, port) from err
+    store.set_timeout(datetime.timedelta(seconds=READY_WAIT_S))
     store.add(READY_KEY, 1)
+
+
+def _store_never_came(address: str, port: int) -> TorchStoreError:
+    return TorchStoreError("Rank 0's torch.distributed store at %s:%d did not come up within %d s."
+                           % (address, port, STORE_WAIT_S))
 
 
 def _wait_for_ranks(store: Any, others: int) -> None:

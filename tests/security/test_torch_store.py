@@ -94,6 +94,15 @@ def _other_addresses_of_this_host() -> list[str]:
     return ["127.0.0.2", *others]
 
 
+def _ranks_listening() -> set[tuple[str, int]]:
+    """Every address and port a rank process of this test listens on (its store, Gloo's pairs)."""
+    ranks = [p for p in psutil.Process().children(recursive=True)
+             if "airflow_provider_horovod.runner.rank.worker" in " ".join(p.cmdline())]
+    assert ranks, "no rank process found"
+    return {(c.laddr.ip, c.laddr.port) for p in ranks for c in p.net_connections("inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
 def _reaches(address: str, port: int) -> bool:
     try:
         socket.create_connection((address, port), timeout=5).close()
@@ -106,14 +115,18 @@ def _reaches(address: str, port: int) -> bool:
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_the_store_of_a_torch_run_on_the_driver_answers_on_loopback_only(tmp_path):
     """``np < 0``: while both ranks are in their process group, the store answers on 127.0.0.1 and
-    on no other address of this host (a network peer connected to eth0's address and wrote keys)."""
+    on no other address of this host (a network peer connected to eth0's address and wrote keys),
+    and nothing else the ranks listen on is off loopback either."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         run = pool.submit(HorovodRunner(-2, launcher="torch").run, rank_jobs.torch_store_job, str(tmp_path))
         try:
             assert settle(lambda: (tmp_path / "port").exists() or run.done(), timeout=300), "rank 0 never wrote its port"
             port = int((tmp_path / "port").read_text())
             reached = {address: _reaches(address, port) for address in ["127.0.0.1", *_other_addresses_of_this_host()]}
+            listening = _ranks_listening()
         finally:
             (tmp_path / "probed").touch()
         assert run.result(timeout=300) == 2
     assert reached == {"127.0.0.1": True, **{address: False for address in _other_addresses_of_this_host()}}
+    assert ("127.0.0.1", port) in listening  # rank 0 serves on the socket its task handed it
+    assert {address for address, _ in listening} == {"127.0.0.1"}  # nor do Gloo's pairs listen anywhere else

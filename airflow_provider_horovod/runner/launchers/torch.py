@@ -3,10 +3,12 @@
 Every barrier task starts its one rank process with torchrun's environment (``torch/distributed/run.py``
 and its ``LocalElasticAgent``; PySpark's ``TorchDistributor`` sets the same), so unmodified code runs:
 ``dist.init_process_group("gloo")`` (or ``"nccl"``) from the environment, ``DistributedDataParallel``,
-FSDP, ``accelerate.Accelerator()``. Rank 0's ``init_process_group`` hosts torch's ``TCPStore`` at
-``MASTER_ADDR:MASTER_PORT``: partition 0's address on the network the plan chose, and a port partition
-0 holds bound (so nothing else takes it) until its rank is about to start. That store has no
-authentication of its own (torch's, as under torchrun); it lives only while the ranks run.
+FSDP, ``accelerate.Accelerator()``. Rank 0 hosts torch's ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``:
+partition 0's address on the network the plan chose (loopback for ``np < 0``), and a port partition 0
+binds on that address only and listens on from its start (``PortHold``); rank 0's store serves on
+that very socket, handed to it, so no other process can take the port and no other address of the
+host reaches the store. That store has no authentication of its own (torch's, as under torchrun); it
+lives only while the ranks run.
 
 ``LOCAL_RANK`` indexes the devices the rank sees. A task given GPUs (``spark.task.resource.gpu.amount``)
 sees exactly its own in ``CUDA_VISIBLE_DEVICES``, so, as under ``TorchDistributor``, every such task is
@@ -16,7 +18,7 @@ place on that executor, and ``OMP_NUM_THREADS`` is 1 when several share it (unle
 
 The store is up before any rank needs it, as under torchrun, whose agent hosts it
 (``TORCHELASTIC_USE_AGENT_STORE``): every rank runs ``before_main`` first, in which rank 0 starts
-the store in its own process and the others wait until it listens. Left to ``init_process_group``,
+the store in its own process and the others wait until it answers. Left to ``init_process_group``,
 a rank that connects before rank 0 has started the store retries a second later: init took 0.2-1.8 s
 instead of a few milliseconds here.
 """

@@ -42,6 +42,9 @@ from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.network import LOOPBACK
 from airflow_provider_horovod.runner.plan import Plan, Slot
 
+STORE_FD_ENV = "HVDRUNNER_STORE_FD"  # rank 0: the descriptor of the listening socket its task holds on MASTER_PORT
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # set: torch's server ignores a failed bind and becomes a client
+
 
 class PortHold(Services):
     """Partition 0's ``MASTER_PORT``, for as long as the attempt runs: bound on the plan's address only
@@ -112,7 +115,7 @@ def slot_env(plan: Plan, slot: Slot, run_id: str, master: tuple[str, int], env: 
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # rank 0's before_main hosts it, as torchrun's agent would
+        AGENT_STORE_ENV: "True",  # rank 0's before_main hosts it, as torchrun's agent would
         names.ENV_BEFORE_MAIN: "%s:before_main" % __name__,
     }
     if slot.iface:  # the interface holding the address the plan chose: Gloo and NCCL bind their sockets there
@@ -124,7 +127,7 @@ def slot_env(plan: Plan, slot: Slot, run_id: str, master: tuple[str, int], env: 
 
 def start(spec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], services: PortHold,
           client) -> Failure | None:
-    """This task's own rank; partition 0's rank hosts the store on ``MASTER_PORT``, the socket ``services`` listens on."""
+    """This task's own rank; partition 0's rank hosts the store on the socket ``services`` listens on."""
     root = plan.slots[0]
     return run_rank_processes([plan.for_partition(partition)], env,
                               lambda slot: {**slot_env(plan, slot, spec.run_id, (root.address, root.master_port), env),
@@ -148,8 +151,6 @@ def start_local(spec, plan: Plan, task: TaskDir, env: dict[str, str]) -> Failure
 STORE_WAIT_S = 600.0  # how long a rank waits for rank 0's store: rank 0 imports torch first, on a busy host too
 READY_WAIT_S = 60.0  # how long rank 0, done, keeps its store for ranks that have not reached it yet
 READY_KEY = "hvdrunner/ready"  # each rank but 0 adds 1 once it has reached the store
-STORE_FD_ENV = "HVDRUNNER_STORE_FD"  # rank 0: the descriptor of the listening socket its task holds on MASTER_PORT
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # set: torch's server ignores a failed bind and becomes a client
 _store: Any = None  # rank 0's store: it lives as long as the rank process
 
 
@@ -179,6 +180,7 @@ def host_store(address: str, port: int, world_size: int) -> Any:
     import torch.distributed as dist
 
     fd = _listening_fd(address, port)
+    os.set_inheritable(fd, False)  # the store's alone: not kept open by what the training function forks or starts
     try:
         with _without_env(AGENT_STORE_ENV):
             return dist.TCPStore(address, port, world_size, is_master=True, wait_for_workers=False,

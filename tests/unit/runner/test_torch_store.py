@@ -94,7 +94,8 @@ def hold():
 
 def _rank_0_env(monkeypatch, hold) -> None:
     _rank_env(monkeypatch, 0, hold.port)
-    monkeypatch.setenv(torch_launcher.STORE_FD_ENV, str(hold._sock.fileno()))
+    # a copy, as rank 0's process inherits one: torch's store closes the descriptor it serves on
+    monkeypatch.setenv(torch_launcher.STORE_FD_ENV, str(os.dup(hold._sock.fileno())))
     monkeypatch.setenv(torch_launcher.AGENT_STORE_ENV, "True")  # as the runner starts it
 
 

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from airflow_provider_horovod.exceptions import TorchStoreError
@@ -237,13 +239,32 @@ def _join_store(address: str, port: int) -> None:
             if time.monotonic() > deadline:
                 raise _store_never_came(address, port) from None
             time.sleep(0.01)
-    try:  # the task listens from its start: the connection waits in its backlog until rank 0's store serves
-        store = dist.TCPStore(address, port, is_master=False,
-                              timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), READY_WAIT_S)))
-    except RuntimeError as err:
-        raise _store_never_came(address, port) from err
-    store.set_timeout(datetime.timedelta(seconds=READY_WAIT_S))
+    store = _bounded(lambda: dist.TCPStore(address, port, is_master=False,
+                                           timeout=datetime.timedelta(seconds=READY_WAIT_S)),
+                     max(deadline - time.monotonic(), 0.0), lambda: _store_never_came(address, port))
     store.add(READY_KEY, 1)
+
+
+def _bounded(connect: Callable[[], Any], wait_s: float, error: Callable[[], Exception]) -> Any:
+    """``connect()``, or ``error()`` raised once ``wait_s`` has passed or it failed. The task listens from
+    its start, so torch's client connects at once and then waits in the socket's backlog until rank 0's
+    store serves; torch's own timeout does not cover that wait (it released the GIL, a thread waits)."""
+    got: queue.Queue = queue.Queue()
+
+    def attempt() -> None:
+        try:
+            got.put(connect())
+        except Exception as err:  # noqa: BLE001 - handed to the caller, which raises error() from it
+            got.put(err)
+
+    threading.Thread(target=attempt, name="torch-store-client", daemon=True).start()
+    try:
+        result = got.get(timeout=wait_s)
+    except queue.Empty:
+        raise error() from None
+    if isinstance(result, Exception):
+        raise error() from result
+    return result
 
 
 def _store_never_came(address: str, port: int) -> TorchStoreError:

@@ -179,3 +179,13 @@ def _slot(rank: int):
     import types
 
     return types.SimpleNamespace(rank=rank)
+
+
+def test_a_held_port_whose_rank_0_never_serves_is_named_with_its_address(monkeypatch, hold):
+    """The task listens from its start, so the connection succeeds; the store's answer never comes."""
+    _rank_env(monkeypatch, 1, hold.port)
+    monkeypatch.setattr(torch_launcher, "STORE_WAIT_S", 1.0)
+    started = time.monotonic()
+    with pytest.raises(TorchStoreError, match="store at 127.0.0.1:%d did not come up within 1 s" % hold.port):
+        torch_launcher.before_main()
+    assert time.monotonic() - started < 30

@@ -143,3 +143,9 @@ class DatasetError(ValueError):
     """The ``dataset=`` of a run cannot be trained on (no such table, a query that does not parse,
     too few rows, a column type no adapter takes), or ``runtime.dataset()`` was called in a run
     without one. Raised before any rank starts; the message names the fix."""
+
+
+class TorchStoreError(HorovodRunError):
+    """Under ``launcher="torch"``, rank 0 could not serve torch.distributed's store on the socket its
+    task holds, or a rank could not reach that store (``runner/launchers/torch.py``). The message
+    names the address and what was wrong."""

@@ -167,9 +167,11 @@ def rank_exit_failure(slot: Slot, code: int, *, stopping: bool) -> Failure:
     )
 
 
-def run_rank_processes(slots: list[Slot], env: dict[str, str], slot_env: Callable[[Slot], dict[str, str]]) -> Failure | None:
-    """Start one rank process per slot (``env`` plus its launcher's ``slot_env``), wait for all;
-    return the first failure, if any. Gloo and torch start their ranks so; mpirun has orted do it.
+def run_rank_processes(slots: list[Slot], env: dict[str, str], slot_env: Callable[[Slot], dict[str, str]],
+                       pass_fds: Callable[[Slot], tuple[int, ...]] = lambda slot: ()) -> Failure | None:
+    """Start one rank process per slot (``env`` plus its launcher's ``slot_env``; the descriptors
+    ``pass_fds`` names, inherited), wait for all; return the first failure, if any. Gloo and torch
+    start their ranks so; mpirun has orted do it.
 
     The wait blocks in ``waitpid`` (one thread per rank): nothing on this host wakes up while the
     ranks train, and an exit is seen the moment it happens.
@@ -180,7 +182,8 @@ def run_rank_processes(slots: list[Slot], env: dict[str, str], slot_env: Callabl
         for slot in slots:
             rank_env = {**env, **slot_env(slot), names.ENV_RANK: str(slot.rank)}
             with TaskDir(slot.task_dir).rank_log(slot.rank).open("wb") as out:
-                proc = procs.spawn(WORKER, rank_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                proc = procs.spawn(WORKER, rank_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   pass_fds=pass_fds(slot))
             running.append(proc)
             threading.Thread(target=lambda s=slot, p=proc: ended.put((s, p, p.wait())), daemon=True).start()
         for _ in running:

@@ -30,7 +30,7 @@ READ_PLANS = frozenset({
     "UnresolvedWith", "UnresolvedInlineTable", "LocalRelation", "OneRowRelation", "WithWindowDefinition",
     "Generate", "Sample", "Pivot", "Unpivot", "UnresolvedSubqueryColumnAliases", "RepartitionByExpression",
     "Repartition", "UnresolvedHint", "UnresolvedTableValuedFunction", "Window", "Expand", "Range",
-    "UnresolvedTVFAliases", "UnresolvedHaving", "UnresolvedStarExcept",
+    "UnresolvedTVFAliases", "UnresolvedHaving", "UnresolvedStarExcept", "PipeOperator",
 })
 # Functions that call Java methods by name (``reflect('java.lang.System', 'exit', 0)``).
 REFLECTIVE = frozenset({"reflect", "java_method", "try_reflect"})
@@ -91,11 +91,12 @@ def _jvm_session(spark: Any) -> tuple[Any, Any] | None:
 
 def _parse(session: Any, text: str) -> Any:
     from py4j.protocol import Py4JJavaError
+    from pyspark.errors.exceptions.captured import CapturedException
 
     try:
         return session.sessionState().sqlParser().parsePlan(text)
-    except Py4JJavaError as err:
-        first = str(err.java_exception.getMessage() or err.java_exception).strip().split("\n", 1)[0][:600]
+    except (Py4JJavaError, CapturedException) as err:  # PySpark turns the parser's error into a ParseException
+        first = str(err).strip().split("\n", 1)[0][:600]
         raise DatasetError("dataset=%r is not a table name, so it was read as Spark SQL, and it does not parse: %s. "
                            "Fix the query (this is its text after templating)." % (" ".join(text.split())[:200], first)) \
             from None
@@ -104,8 +105,8 @@ def _parse(session: Any, text: str) -> Any:
 def _builtin_functions(session: Any, gateway: Any) -> frozenset[str]:
     """The names of Spark's built-in functions (lower case), from its own registry."""
     registry = getattr(gateway.jvm.org.apache.spark.sql.catalyst.analysis, "FunctionRegistry$").__getattr__("MODULE$")
-    names = registry.builtin().listFunction().mkString("\n")
-    return frozenset(name.strip("`").lower() for name in names.split("\n") if name)
+    names = registry.builtin().listFunction().mkString("\n")  # one call: "system.builtin.abs", ...
+    return frozenset(name.strip("`").lower().removeprefix("system.builtin.") for name in names.split("\n") if name)
 
 
 def first_refusal(plan: Any, gateway: Any, builtin: frozenset[str]) -> str | None:
@@ -180,11 +181,18 @@ def connect_check(spark: Any, text: str) -> None:
 
     body = text.strip().removesuffix(";")
     try:
-        df = spark.sql("SELECT * FROM (\n%s\n) AS %s" % (body, CONNECT_ALIAS))
-        plan = df._explain_string(extended=True)
+        plan = _plan_text(spark.sql("SELECT * FROM (\n%s\n) AS %s" % (body, CONNECT_ALIAS)))
     except PySparkException as err:
         raise DatasetError(refusal(text, "Spark does not read it as a query: %s"
                                    % str(err).strip().split("\n", 1)[0][:300])) from None
-    found = _CALLS_JAVA.search(plan.split("== Optimized Logical Plan ==", 1)[0])
+    analysed = plan.partition("== Analyzed Logical Plan ==")[2].partition("== Optimized Logical Plan ==")[0]
+    found = _CALLS_JAVA.search(analysed or plan)  # functions resolved, by the names Spark prints them
     if found is not None:
         raise DatasetError(refusal(text, "it calls %s, which calls Java methods by name" % found.group(0).rstrip("( ")))
+
+
+def _plan_text(df: Any) -> str:
+    """Spark's own text of ``df``'s parsed, analysed, optimised and physical plans (nothing runs):
+    asked of a Connect server, or of a classic session's query execution (the same text)."""
+    explain = getattr(df, "_explain_string", None)
+    return explain(extended=True) if explain is not None else df._jdf.queryExecution().toString()

@@ -20,7 +20,7 @@ from airflow_provider_horovod.runner.driver.attempt import run_error
 from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.driver.restarts import Ending, ending_of
 from airflow_provider_horovod.runner.driver.supervisor import Deadlines, Supervisor
-from airflow_provider_horovod.runner.events import Failure, FactsReported, RankFailed
+from airflow_provider_horovod.runner.events import Failure, FactsReported, RankBeat, RankFailed, TaskReady
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.plan import make_plan
 from airflow_provider_horovod.runner.task.barrier import TaskFailure, failure_blob, parse_failure, rank_exit_failure
@@ -66,6 +66,17 @@ def test_a_ranks_report_over_the_channel_decides_no_loss_host_exit_stall_or_prov
     err = run_error(cause, {}, launcher="gloo", stall_timeout=60)
     assert not isinstance(err, InsufficientSlotsError)
     assert judge(err).cause == Cause.USER_CODE  # no Airflow retry either
+
+
+def test_a_stall_names_the_host_of_the_plan_not_the_one_a_ranks_beats_gave(tmp_path):
+    sup = planned_supervisor(tmp_path)
+    for p in (0, 1):
+        sup.handle(TaskReady(p), 0.5)
+    for t in (1.0, 700.0):
+        sup.handle(RankBeat(rank=0, pid=100, host="hvdhost0", idle_s=t - 1.0, where="waits in allreduce"), t)
+        sup.handle(RankBeat(rank=1, pid=101, host="gpu-node-7", idle_s=t - 1.0, where="in user code at f (j.py:1)"), t)
+    sup.tick(700.0)
+    assert (sup.cause.stall, sup.cause.rank, sup.cause.host, sup.cause.executor) == ("stuck", 1, "hvdhost1", "b:1")
 
 
 def test_a_provider_class_a_rank_raises_still_reaches_the_driver(tmp_path):

@@ -272,9 +272,10 @@ class Supervisor:
                        "is gone." % (partition, where), host=host, executor=executor, lost=True)
 
     def _placed(self, failure: Failure) -> Failure:
-        """A rank's report, which says nothing of where the rank ran (``Failure.told_by_rank``), with
-        the host and executor the plan gave that rank."""
-        if failure.rank is None or failure.host is not None or self.plan is None:
+        """A rank's failure with the host and executor the plan gave that rank: a rank's report says
+        nothing of where it ran (``Failure.told_by_rank``), and a stall's names the host the rank's
+        beats gave (issue 49)."""
+        if failure.rank is None or self.plan is None:
             return failure
         slot = next((s for s in self.plan.slots if s.rank == failure.rank), None)
         return failure if slot is None else failure.placed(slot.hostname, slot.executor)
@@ -317,7 +318,7 @@ class Supervisor:
                 and len(self._facts) < self.np:
             return self._stop("timeout", now)
         if self.phase == Phase.RUNNING and self.stalls.due(now):
-            return self._on_failure(self.stalls.verdict(now), now)  # its stacks came with the beats: now stop
+            return self._on_failure(self._placed(self.stalls.verdict(now)), now)  # its stacks came with the beats: now stop
         if self.phase == Phase.STOPPING and self._cut_at is None and self._stop_at is not None:
             if now >= self._cut_off_time():
                 self._cut_at = now

@@ -9,10 +9,10 @@ one of Spark's built-in functions (``FunctionRegistry.builtin``) other than thos
 ``IDENTIFIER(...)`` clause, a catalog's own function or any node Spark adds later is refused until
 it is listed here: an allow-list, so what it does not know it refuses.
 
-A Spark Connect session with no JVM in this process (``sc://`` a remote server) has no parse API:
-there the server parses the text as the body of a subquery (``SELECT * FROM (<text>)``), which only
-a query can be, so a command never runs, and the analysed plan Spark prints is refused when it
-calls a reflective function (``connect_check``).
+Spark Connect has no parse API: the server parses the text as the body of a subquery
+(``SELECT * FROM (<text>)``), which only a query can be, so a command never runs, and the analysed
+plan Spark prints is refused when it calls a reflective function (``connect_check``); where this
+process also runs a JVM (``remote("local[n]")`` starts the server in it) the plan is walked there too.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ _CALLS_JAVA = re.compile(r"\b(?:%s)\s*\(" % "|".join(sorted(REFLECTIVE)), re.I)
 def check_on_spark(spark: Any, text: str) -> None:
     """``DatasetError`` unless Spark's parser reads ``text`` as a query of ``READ_PLANS`` that calls only
     safe built-in functions. Runs nothing: parsing and walking the plan touch no data."""
+    if getattr(spark, "_jsparkSession", None) is None:  # Spark Connect: the server's own parse first
+        connect_check(spark, text)
     jvm = _jvm_session(spark)
     if jvm is None:
-        connect_check(spark, text)
         return
     session, gateway = jvm
     plan = _parse(session, text)
@@ -73,8 +74,8 @@ def refusal(text: str, why: str) -> str:
 
 def _jvm_session(spark: Any) -> tuple[Any, Any] | None:
     """The JVM session whose parser reads ``spark``'s SQL, and its py4j gateway: a classic session's
-    own, or for a Connect session started as ``remote("local[n]")`` the classic session behind its
-    server (same extensions and conf); ``None`` for a Connect session with no JVM here."""
+    own, or for a Connect session the classic session of this process (``remote("local[n]")`` runs
+    its server there: same extensions and conf); ``None`` where this process has no JVM."""
     from pyspark import SparkContext
 
     session = getattr(spark, "_jsparkSession", None)

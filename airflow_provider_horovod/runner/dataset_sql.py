@@ -99,8 +99,8 @@ def _parse(session: Any, text: str) -> Any:
     except (Py4JJavaError, CapturedException) as err:  # PySpark turns the parser's error into a ParseException
         first = str(err).strip().split("\n", 1)[0][:600]
         raise DatasetError("dataset=%r is not a table name, so it was read as Spark SQL, and it does not parse: %s. "
-                           "Fix the query (this is its text after templating)." % (" ".join(text.split())[:200], first)) \
-            from None
+                           "Fix the query (this is its text after templating)."
+                           % (" ".join(text.split())[:200], first)) from None
 
 
 def _builtin_functions(session: Any, gateway: Any) -> frozenset[str]:
@@ -142,7 +142,7 @@ def _plan_refusal(node: Any, name: str) -> str | None:
     if name == "UnresolvedTableValuedFunction":
         function = _name(node.name())
         if function not in TABLE_FUNCTIONS:
-            return "it calls the table function %s, which is not one of %s" % (function, ", ".join(sorted(TABLE_FUNCTIONS)))
+            return "it calls the table function %s, which is not one of %s" % (function, _listed(TABLE_FUNCTIONS))
     return None
 
 
@@ -152,7 +152,7 @@ def _expression_refusal(node: Any, name: str, builtin: frozenset[str]) -> str | 
     if name == "UnresolvedGenerator":  # LATERAL VIEW explode(...)
         generator = str(node.name().funcName()).lower()
         if generator not in TABLE_FUNCTIONS:
-            return "it calls the generator %s, which is not one of %s" % (generator, ", ".join(sorted(TABLE_FUNCTIONS)))
+            return "it calls the generator %s, which is not one of %s" % (generator, _listed(TABLE_FUNCTIONS))
         return None
     if name != "UnresolvedFunction":
         return None
@@ -163,6 +163,10 @@ def _expression_refusal(node: Any, name: str, builtin: frozenset[str]) -> str | 
     if qualifier not in BUILTIN_QUALIFIERS or function not in builtin:
         return "it calls %s, which is not one of Spark's built-in functions" % ".".join(parts)
     return None
+
+
+def _listed(names: frozenset[str]) -> str:
+    return ", ".join(sorted(names))
 
 
 def _name(parts: Any) -> str:

@@ -318,7 +318,8 @@ class Supervisor:
                 and len(self._facts) < self.np:
             return self._stop("timeout", now)
         if self.phase == Phase.RUNNING and self.stalls.due(now):
-            return self._on_failure(self._placed(self.stalls.verdict(now)), now)  # its stacks came with the beats: now stop
+            # its stacks came with the beats: now stop, naming the plan's host
+            return self._on_failure(self._placed(self.stalls.verdict(now)), now)
         if self.phase == Phase.STOPPING and self._cut_at is None and self._stop_at is not None:
             if now >= self._cut_off_time():
                 self._cut_at = now

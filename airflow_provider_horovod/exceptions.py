@@ -113,6 +113,12 @@ class ArtifactError(RuntimeError):
         super().__init__(message)
 
 
+class ArtifactSettingsError(ArtifactError):
+    """The artifact root or an id the store names folders by cannot be used as given (a malformed URL, a
+    file system that is not installed, an undefined connection, a ``run_id`` of ``..``): the same value
+    fails every try, so the retry policy fails it at once. Raised before Spark starts."""
+
+
 def provider_class_name(err: BaseException) -> str | None:
     """The name of the nearest class of this module in ``err``'s ancestry, or ``None`` (a user's
     own exception). A rank sends it with its failure, so the driver can raise the same type."""

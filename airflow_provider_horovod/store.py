@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_horovod.exceptions import ArtifactError
+from airflow_provider_horovod.exceptions import ArtifactError, ArtifactSettingsError
 from airflow_provider_horovod.runner import records
 from airflow_provider_horovod.runner.records import (
     CHECKPOINTS,
@@ -81,7 +81,7 @@ def storage_path(uri: Any) -> Any:
 
 def task_folder(root: Any, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> Any:
     """``<root>/<dag_id>/<run_id>/<task_id>[/map-<i>]``: every try of one task instance; an
-    ``ArtifactError`` for an id that is not one folder of that layout (``check_id``)."""
+    ``ArtifactSettingsError`` for an id that is not one folder of that layout (``check_id``)."""
     folder = storage_path(root) / check_id(dag_id, "dag_id") / check_id(run_id, "run_id") / check_id(task_id, "task_id")
     return folder / ("map-%d" % map_index) if map_index >= 0 else folder
 
@@ -91,7 +91,7 @@ def check_id(value: str, what: str) -> str:
     default run_id pattern but would put a run's artifacts outside its DAG's folder, where the view
     cannot show them (issue 49); a separator or NUL would go deeper. The view asks the same."""
     if not value or value in (".", "..") or any(c in value for c in "/\\\x00") or len(value) > MAX_ID_CHARS:
-        raise ArtifactError(
+        raise ArtifactSettingsError(
             "The %s %r cannot name a folder of the artifact store (%s): trigger the run with another run_id (the "
             "Trigger form's or the REST API's dag_run_id), or rename the DAG or task." % (what, value, _ID_RULE))
     return value

@@ -282,7 +282,7 @@ def try_folder(context: Context, artifact_root: str | None, *, hook: HorovodRunn
     ti = context["ti"]
     map_index = getattr(ti, "map_index", -1)
     root = hook.artifact_root(artifact_root)
-    hook.check_artifact_root(root)  # a missing extra or connection, named before anything starts
+    hook.check_artifact_root(root)  # a malformed root, a missing file system or connection: named before Spark starts
     folder = store.prepare_try(
         root, dag_id=ti.dag_id, run_id=ti.run_id,
         task_id=ti.task_id, try_number=ti.try_number, map_index=map_index if isinstance(map_index, int) else -1,

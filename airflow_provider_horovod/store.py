@@ -1,5 +1,6 @@
 """The artifact store: where a task instance's tries and checkpoint versions live, and what their
-markers say. The hook, the operator and the Horovod view call it; none of them spells a path.
+markers say. The hook, the try's recorder (``recorder.py``) and the Horovod view call it; none of
+them spells a path.
 
 The layout, under the artifact root (any ``ObjectStoragePath`` URL)::
 
@@ -153,7 +154,7 @@ def _write_json_last(folder: Any, name: str, value: dict[str, Any]) -> None:
 def store_try(local_dir: str | Path, folder: Any, marker: TryMarker, *,
               extra_files: dict[str, bytes] | None = None) -> TryMarker:
     """Copy the engine's committed ``local_dir`` (and ``extra_files``) into ``folder``, then write the
-    final marker last: the try's one commit point. ``marker`` is the operator's part; the stored
+    final marker last: the try's one commit point. ``marker`` is the recorder's part; the stored
     files, the engine's own marker (``run``) and whether the engine had all of rank 0's hand-over
     (``complete``) are filled in here. The versions are already in the
     store (``commit_version``)."""

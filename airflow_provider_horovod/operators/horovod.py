@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import Asset, BaseOperator
@@ -16,12 +14,13 @@ from airflow.sdk.definitions._internal.mixins import ResolveMixin
 
 from airflow_provider_horovod import retry, store
 from airflow_provider_horovod.exceptions import HorovodRunError
-from airflow_provider_horovod.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsRecorder, check_progress_interval
+from airflow_provider_horovod.metrics import check_progress_interval
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook, check_root_syntax
+from airflow_provider_horovod.recorder import RESUME_AUTO, RESUME_NEVER, TryRecorder, TrySettings, is_json
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.driver.restarts import AttemptRecord
-from airflow_provider_horovod.runner.events import Failure, RunReport, RunStatus
+from airflow_provider_horovod.runner.events import RunReport, RunStatus
 from airflow_provider_horovod.runner.options import (
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_START_TIMEOUT_S,
@@ -34,18 +33,14 @@ from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
 from airflow_provider_horovod.links import HorovodTimelineLink, MlflowRunLink, SparkUILink
 
 if TYPE_CHECKING:
-    from airflow.sdk import Context, ObjectStoragePath
+    from airflow.sdk import Context
 
-RESUME_AUTO = "auto"
-RESUME_NEVER = "never"
 # Metadata of every try, each under its own XCom key too (for @task.horovod, whose return_value is
 # the training function's value, and for the UI): ``horovod_<name>``.
 METADATA = ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "duration_s", "metrics", "attempts")
 # An executor lost mid-training costs a restart inside the try, at most twice (see max_restarts)
 DEFAULT_OPERATOR_RESTARTS = 2
 METADATA_XCOM_PREFIX = "horovod_"
-# How long the try's end waits for the last checkpoint upload before its final marker says it did not make it
-UPLOAD_DRAIN_S = 300.0
 SMALL_RESULT_CHARS = 4096  # a result up to this size (as JSON) goes into the asset event extra
 NO_CHECKPOINT = "none: rank 0 left runtime.checkpoint_dir() empty"
 
@@ -239,117 +234,40 @@ class HorovodRunnerOperator(BaseOperator):
 
     def execute(self, context: Context) -> dict[str, Any]:
         self._push_links(context)
-        np = validate_np(self.np)
-        validate_resume(self.resume)
-        self.hook.check_job(self.training_callable, self.op_args, self.op_kwargs, launcher=self.launcher)
-        folder = self._try_folder(context)
-        source, resume_from = self._resume_from(folder, context)
+        np = self._resolve()
+        this_try = self._open_try(context)  # the try folder and the checkpoint it resumes from, before Spark starts
         self._push_spark_ui(context, np)
-        with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local, tempfile.TemporaryDirectory() as scratch:
-            tracking = self._mlflow_run(context, np)
-            recorder = self._metrics_recorder(folder, scratch, tracking)
-            uploads = self._version_sink(folder, context, Path(scratch, "uploads"))
-            result, report, error = self._train(np, local, resume_from, uploads, recorder)
-            metrics, status = recorder.close(), try_status(report, error)
-            not_stored = self._drain(uploads, folder)
-            if tracking is not None:
-                tracking.finish(status.value, {"checkpoint": report.checkpoint_path, "timeline": report.timeline_path},
-                                report.attempts)
-            failure = self._explain_failure(error, report)
-            xcom = self._store(folder, local, result, report, status, context["ti"].try_number, failure, source,
-                               not_stored)
-            xcom["metrics"] = metrics
-        self._record_final_checkpoint(folder, context)
-        self._push_metadata(context, xcom)
-        self._log_summary(xcom, report, status, source)
+        with this_try.staging() as local:
+            on_checkpoint, on_report = this_try.sinks(self._mlflow_run(context, np))
+            result, report, error = self._train(np, local, this_try.resume_from, on_checkpoint, on_report)
+            xcom, status = this_try.record(result, report, error)
+        this_try.record_final_checkpoint()
+        self._push_results(context, xcom, report, status, this_try.source)
         if error is not None:
             raise error
         self._emit_asset_events(context, xcom)
         return xcom
 
     # -- the story's chapters --------------------------------------------------------------------
-    def _try_folder(self, context: Context) -> ObjectStoragePath:
-        ti = context["ti"]
-        map_index = getattr(ti, "map_index", -1)
-        root = self.hook.artifact_root(self.artifact_root)
-        self.hook.check_artifact_root(root)  # a missing extra or connection, named before anything starts
-        folder = store.prepare_try(
-            root, dag_id=ti.dag_id, run_id=ti.run_id,
-            task_id=ti.task_id, try_number=ti.try_number, map_index=map_index if isinstance(map_index, int) else -1,
+    def _resolve(self) -> int:
+        """The rendered arguments checked as the engine would check them (``np``, ``resume``, the
+        training function and its arguments); ``np`` as an int."""
+        np = validate_np(self.np)
+        validate_resume(self.resume)
+        self.hook.check_job(self.training_callable, self.op_args, self.op_kwargs, launcher=self.launcher)
+        return np
+
+    def _open_try(self, context: Context) -> TryRecorder:
+        """This try in the store (``recorder.TryRecorder``): its folder and its resume source."""
+        return TryRecorder.open(context, self._try_settings(), hook=self.hook, log=self.log)
+
+    def _try_settings(self) -> TrySettings:
+        """The arguments (as rendered) that decide the try's life in the store."""
+        return TrySettings(
+            artifact_root=self.artifact_root, resume=self.resume, resume_on_clear=self.resume_on_clear,
+            retries=self.retries, keep_checkpoints=self.keep_checkpoints, launcher=self.launcher,
+            progress_interval=self.progress_interval, retry_policy=self.retry_policy,
         )
-        self.log.info("Artifacts of this try go to %s", folder)
-        return folder
-
-    def _resume_from(self, folder: ObjectStoragePath, context: Context) -> tuple[store.Checkpoint | None, str | None]:
-        """The checkpoint to resume from (``None``: from scratch) and its local copy: on a retry,
-        what ``task_state_store`` recorded, else the newest checkpoint the store scan finds."""
-        try_number = context["ti"].try_number
-        if self.resume in (None, "", RESUME_NEVER):
-            return None, None
-        if self.resume == RESUME_AUTO:
-            source, since = None, self._resume_since(context)
-            if try_number > since:
-                recorded = store.recorded_checkpoint(_state_store(context), folder.parent)
-                if recorded is not None and (recorded.try_number or 0) < since:
-                    recorded = None  # made before the Clear (Airflow 3.3 keeps the state store on Clear)
-                source = recorded or store.latest_checkpoint(folder, try_number, since)
-            if source is None:
-                if try_number > since:
-                    self.log.info("No committed checkpoint in earlier tries: starting from scratch.")
-                return None, None
-        else:
-            roots = self.hook.resume_roots(self.artifact_root)
-            path = store.checkpoint_at(str(self.resume), roots=roots)
-            source = store.Checkpoint(path, None, files=store.named_files(path))
-        self.log.info("Resuming from checkpoint %s", source.describe())
-        return source, self.hook.download(source.path, files=source.files)
-
-    def _resume_since(self, context: Context) -> int:
-        """The earliest try whose checkpoints this try may resume from: 1, or with
-        ``resume_on_clear=False`` the first try since the task instance was last cleared."""
-        first = first_try_since_clear(context["ti"], self.retries)
-        if first > 1 and not self.resume_on_clear:
-            if context["ti"].try_number == first:
-                self.log.info("Try %d follows a Clear of the task: starting from scratch (resume_on_clear=False). "
-                              "Set resume_on_clear=True to resume from the earlier tries' checkpoints.", first)
-            return first
-        return 1
-
-    def _version_sink(self, folder: ObjectStoragePath, context: Context, staging: Path) -> store.VersionUploads:
-        """What the engine calls with each checkpoint version it committed in its local staging
-        (``offer``: returns at once): uploaded to the store in the background, newest first when the
-        store is slow, then recorded in ``task_state_store`` for the next try."""
-        state, try_number = _state_store(context), context["ti"].try_number
-
-        def stored(version: Any, path: Any) -> None:
-            self.log.info("Committed checkpoint version %d (step %s, %d bytes) to %s", version.seq, version.step,
-                          version.size, path)
-            try:
-                store.record_checkpoint(state, store.Checkpoint(path, try_number, version.step, version.seq))
-            except Exception as err:  # noqa: BLE001 - the store scan still finds it
-                self.log.warning("Could not record checkpoint version %d in task_state_store: %s", version.seq, err)
-
-        return store.VersionUploads(folder, staging, keep=self.keep_checkpoints, on_stored=stored,
-                                    on_error=self.log.error)
-
-    def _drain(self, uploads: store.VersionUploads, folder: ObjectStoragePath) -> list[dict[str, Any]]:
-        """The try ended: wait (bounded) for the last version's upload; what did not make it is logged
-        and goes into the try's marker."""
-        not_stored = uploads.close(UPLOAD_DRAIN_S)
-        for item in not_stored:
-            self.log.warning("Checkpoint version %s was not stored in %s: %s", item["seq"], folder, item["reason"])
-        return not_stored
-
-    def _metrics_recorder(self, folder: ObjectStoragePath, scratch: str, tracking: Any) -> MetricsRecorder:
-        """What the engine calls with rank 0's reports: ``metrics.jsonl`` (committed to the store
-        every few seconds), the progress line and the try's MLflow run, if any."""
-        from airflow.sdk import conf
-
-        interval = self.progress_interval or check_progress_interval(
-            conf.getfloat("horovod", "progress_interval", fallback=DEFAULT_PROGRESS_INTERVAL_S))
-        metrics_log = store.MetricsLog(folder)
-        return MetricsRecorder(Path(scratch, store.METRICS), commit=metrics_log.append,
-                               log=self.log, progress_interval=interval, listeners=(tracking,) if tracking else ())
 
     def _mlflow_run(self, context: Context, np: int) -> Any:
         """With ``mlflow_conn_id``: this try's MLflow run, its URL pushed for the "MLflow run" link."""
@@ -366,16 +284,6 @@ class HorovodRunnerOperator(BaseOperator):
         if run is not None:
             MlflowRunLink().persist(context, run.url)
         return run
-
-    def _record_final_checkpoint(self, folder: ObjectStoragePath, context: Context) -> None:
-        """A try that ended with its ``checkpoints/`` stored: that is newer than its last version."""
-        newest = store.newest_checkpoint(folder)
-        if newest is None or newest.seq is not None:
-            return
-        try:
-            store.record_checkpoint(_state_store(context), newest)
-        except Exception as err:  # noqa: BLE001 - the store scan still finds it
-            self.log.warning("Could not record the try's checkpoint in task_state_store: %s", err)
 
     def _push_links(self, context: Context) -> None:
         """Each link's key exists from the start (a task that fails early logs no `XCom not found`);
@@ -404,67 +312,21 @@ class HorovodRunnerOperator(BaseOperator):
                 max_restarts=self.max_restarts, min_np=validate_min_np(self.min_np, np),
             )
             return result, report, None
-        except (HorovodRunError, ArtifactError) as err:  # store what the failed try left, then re-raise
+        except (HorovodRunError, ArtifactError) as err:  # returned: the try stores what the run left, execute raises it
             return None, self.hook.last_run, err
-        except BaseException as err:  # execution_timeout and the like: the engine cancelled the run cleanly
+        except BaseException as err:  # execution_timeout and the like: stored as well where the engine cancelled the run
             if self.hook.last_run is None or self.hook.last_run.status != RunStatus.CANCELLED:
-                raise  # it came before any rank started: nothing to store
+                raise  # no run was started, or the engine did not end it as cancelled: nothing to store
             return None, self.hook.last_run, err
         finally:
             if resume_from:
                 shutil.rmtree(resume_from, ignore_errors=True)
 
-    def _explain_failure(self, error: BaseException | None, report: RunReport) -> dict[str, Any] | None:
-        """The failure the try's marker keeps (``None``: the try succeeded), with what the retry
-        policy makes of it (``retry``), also logged; a ``HorovodRunError`` carries the engine's report
-        (``failure``) to the policy."""
-        if error is None:
-            return None
-        record = failure_record(error, report)
-        if isinstance(error, HorovodRunError) and error.failure is None:
-            error.failure = dict(record)
-        if isinstance(self.retry_policy, retry.HorovodRetryPolicy):
-            record["retry"] = retry.judge(error).text(self.retry_policy)
-            self.log.error("%s", record["retry"])
-        return record
-
-    def _store(self, folder: ObjectStoragePath, local: str, result: Any, report: RunReport, status: store.TryStatus,
-               try_number: int, failure: dict[str, Any] | None, resumed_from: store.Checkpoint | None,
-               not_stored: list[dict[str, Any]] = ()) -> dict[str, Any]:
-        import cloudpickle
-
-        xcom_result: Any = None
-        extra_files: dict[str, bytes] = {}
-        if failure is None:
-            if _is_json(result):
-                xcom_result = result
-            else:  # stored beside the artifacts, never written into the engine's committed folder
-                extra_files[store.RESULT_FILE] = cloudpickle.dumps(result)
-                xcom_result = {"artifact_uri": str(folder / store.RESULT_FILE), "type": _type_name(result),
-                               "format": "cloudpickle"}
-        marker = store.TryMarker(
-            status=status, complete=False, try_number=try_number, np=report.np, run_id=report.run_id,
-            launcher=Launcher(self.launcher).value, duration_s=report.duration_s,
-            resumed_from=str(resumed_from.path) if resumed_from is not None else None,
-            resumed_from_try=resumed_from.try_number if resumed_from is not None else None,
-            resumed_from_step=resumed_from.step if resumed_from is not None else None,
-            error=failure, attempts=tuple(report.attempts), not_stored=tuple(not_stored),
-        )
-        committed = store.store_try(local, folder, marker, extra_files=extra_files)
-        newest = store.newest_checkpoint(folder)
-        timeline_uri = str(folder / store.TIMELINE) if store.TIMELINE in committed.stored_files else None
-        self.log.info("Stored %d artifact files in %s (%s)", len(committed.stored_files), folder, status.value)
-        return {
-            "result": xcom_result,
-            "artifacts_uri": str(folder),
-            "checkpoint_uri": str(newest.path) if newest is not None else None,
-            "timeline_uri": timeline_uri,
-            "np": report.np,
-            "launcher": Launcher(self.launcher).value,
-            "try_number": try_number,
-            "duration_s": report.duration_s,
-            "attempts": report.attempts,
-        }
+    def _push_results(self, context: Context, xcom: dict[str, Any], report: RunReport, status: store.TryStatus,
+                      resumed_from: store.Checkpoint | None) -> None:
+        """The try's metadata, each under its own XCom key, and its summary in the task log."""
+        self._push_metadata(context, xcom)
+        self._log_summary(xcom, report, status, resumed_from)
 
     def _push_metadata(self, context: Context, xcom: dict[str, Any]) -> None:
         ti = context["ti"]
@@ -496,7 +358,7 @@ class HorovodRunnerOperator(BaseOperator):
 
     def _emit_asset_events(self, context: Context, xcom: dict[str, Any]) -> None:
         extra = {k: xcom[k] for k in ("checkpoint_uri", "timeline_uri", "try_number", "artifacts_uri", "metrics")}
-        if _is_json(xcom["result"]) and len(json.dumps(xcom["result"])) <= SMALL_RESULT_CHARS:
+        if is_json(xcom["result"]) and len(json.dumps(xcom["result"])) <= SMALL_RESULT_CHARS:
             extra["result"] = xcom["result"]
         for outlet in self.outlets:
             if isinstance(outlet, Asset):
@@ -506,24 +368,6 @@ class HorovodRunnerOperator(BaseOperator):
         """SIGTERM, execution_timeout or "mark failed": interrupt the Spark job and kill every rank."""
         self.log.info("Cancelling the Horovod job")
         self.hook.cancel()
-
-
-def _state_store(context: Context) -> Any:
-    """Airflow 3.3's ``task_state_store`` of this task instance, where this Airflow has one."""
-    state = context.get("task_state_store")
-    return state if callable(getattr(state, "get", None)) and callable(getattr(state, "set", None)) else None
-
-
-def first_try_since_clear(ti: Any, retries: int | None) -> int:
-    """The first try number since the task instance was created or last cleared. A Clear sets
-    ``max_tries`` to the try number so far plus ``retries`` (Airflow's ``clear_task_instances``), so
-    the first try of the current round is ``max_tries - retries + 1``, as Airflow's own
-    ``get_first_reschedule_date`` computes it. 1 when ``max_tries`` is not known."""
-    max_tries, try_number = getattr(ti, "max_tries", None), getattr(ti, "try_number", 1)
-    if not isinstance(max_tries, int) or isinstance(max_tries, bool) or max_tries < 0:
-        return 1
-    first = max_tries - (retries or 0) + 1
-    return first if 1 <= first <= try_number else 1
 
 
 def validate_np(np: Any) -> int:
@@ -599,41 +443,6 @@ def check_kinds(training_callable: Any, *, op_args: Any = None, op_kwargs: Any =
 
 def _rendered_later(value: Any) -> bool:
     return isinstance(value, ResolveMixin) or (isinstance(value, str) and ("{{" in value or "{%" in value))
-
-
-def try_status(report: RunReport, error: BaseException | None) -> store.TryStatus:
-    """How the try ended, worked out once: a run that succeeded but whose artifacts did not come
-    back (``ArtifactError``) is a failed try."""
-    if error is None:
-        return store.TryStatus.SUCCESS
-    return store.TryStatus.CANCELLED if report.status == RunStatus.CANCELLED else store.TryStatus.FAILED
-
-
-def failure_record(error: BaseException, report: RunReport) -> dict[str, Any]:
-    """The failure a try's marker keeps for the Horovod view, one record (``events.Failure``) as
-    JSON: the engine's report, else one made from the exception."""
-    if report.error and report.error.get("message"):
-        return dict(report.error)
-    first_line = str(error).split("\n", 1)[0]
-    return Failure(
-        message=first_line, exception="%s: %s" % (type(error).__name__, first_line),
-        rank=getattr(error, "rank", None), host=getattr(error, "host", None),
-        traceback=getattr(error, "remote_traceback", None) or "",
-        tail=tuple([line for lines in (getattr(error, "log_tail", None) or {}).values() for line in lines][-40:]),
-    ).to_json()
-
-
-def _is_json(value: Any) -> bool:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def _type_name(value: Any) -> str:
-    cls = type(value)
-    return "%s.%s" % (cls.__module__, cls.__qualname__)
 
 
 def _ranks_text(np: int) -> str:

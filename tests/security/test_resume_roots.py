@@ -15,13 +15,19 @@ import pytest
 from airflow_provider_horovod import store
 from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
+from airflow_provider_horovod.recorder import TryRecorder
 from airflow_provider_horovod.runner.records import RUN_MARKER as ENGINE_MARKER
 
 
 def _resume(op: HorovodRunnerOperator, folder) -> str:
     """What the operator would ship to every executor as ``runtime.resume_dir()``."""
-    _source, local = op._resume_from(folder, {"ti": types.SimpleNamespace(try_number=1)})
+    _source, local = _resume_from(op, folder, {"ti": types.SimpleNamespace(try_number=1)})
     return local
+
+
+def _resume_from(op: HorovodRunnerOperator, folder, context: dict):
+    """The operator's resume step, as its ``TryRecorder`` takes it for the try in ``folder``."""
+    return TryRecorder(folder, context, op._try_settings(), hook=op.hook, log=op.log).resume_source()
 
 
 def _operator(root: Path, resume: str) -> HorovodRunnerOperator:
@@ -99,7 +105,7 @@ def test_a_task_state_store_record_naming_anything_but_this_task_instances_tries
     state = StateStore({store.STATE_KEY: {"uri": uri, "try_number": 1, "step": 9, "seq": 1}})
     op = HorovodRunnerOperator(task_id="retrain", training_callable="airflow_provider_horovod.runtime:size",
                                artifact_root=str(layout.root))
-    source, local = op._resume_from(mine, {"ti": types.SimpleNamespace(try_number=2), "task_state_store": state})
+    source, local = _resume_from(op, mine, {"ti": types.SimpleNamespace(try_number=2), "task_state_store": state})
     assert (source, local) == (None, None)  # this task's try 1 committed nothing: from scratch, nothing copied
     assert "not in this task instance's tries" in caplog.text
 
@@ -114,7 +120,7 @@ def test_a_record_of_this_task_instances_own_version_still_resumes(layout):
     state = StateStore({store.STATE_KEY: {"uri": str(path), "try_number": 1, "step": 3, "seq": 1}})
     op = HorovodRunnerOperator(task_id="retrain", training_callable="airflow_provider_horovod.runtime:size",
                                artifact_root=str(layout.root))
-    source, local = op._resume_from(mine, {"ti": types.SimpleNamespace(try_number=2), "task_state_store": state})
+    source, local = _resume_from(op, mine, {"ti": types.SimpleNamespace(try_number=2), "task_state_store": state})
     try:
         assert (source.try_number, source.step) == (1, 3) and (Path(local) / "model.pt").read_bytes() == b"mine"
     finally:

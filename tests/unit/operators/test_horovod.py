@@ -247,7 +247,7 @@ def _report(status, error=None):
 
 def test_a_try_whose_run_succeeded_but_whose_artifacts_did_not_come_back_is_failed():
     from airflow_provider_horovod.exceptions import ArtifactError
-    from airflow_provider_horovod.operators.horovod import try_status
+    from airflow_provider_horovod.recorder import try_status
     from airflow_provider_horovod.runner.events import RunStatus
 
     assert try_status(_report(RunStatus.SUCCESS), None) == "success"
@@ -257,7 +257,7 @@ def test_a_try_whose_run_succeeded_but_whose_artifacts_did_not_come_back_is_fail
 
 def test_the_marker_keeps_the_engines_failure_report_else_one_made_from_the_exception():
     from airflow_provider_horovod.exceptions import HorovodRunError
-    from airflow_provider_horovod.operators.horovod import failure_record
+    from airflow_provider_horovod.recorder import failure_record
     from airflow_provider_horovod.runner.events import Failure, RunStatus
 
     engine = Failure("Rank 1 on host hvdhost1 raised ValueError: boom", rank=1).to_json()

@@ -1,5 +1,6 @@
 """The operator's resume step (which checkpoint a try starts from) and its store steps (each version
-as it comes, the try's end), on a real local artifact store: no Spark, no ranks."""
+as it comes, the try's end), taken by its ``TryRecorder`` with the operator's own settings, on a real
+local artifact store: no Spark, no ranks."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import cloudpickle
 
 from airflow_provider_horovod import store
 from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
+from airflow_provider_horovod.recorder import TryRecorder
 from airflow_provider_horovod.runner.driver.artifact_dir import commit
 from airflow_provider_horovod.runner.events import RunReport, RunStatus
 from airflow_provider_horovod.runner.versions import Version
@@ -44,6 +46,16 @@ def context(try_number: int, state: StateStore | None = None, max_tries: int | N
     return {"ti": SimpleNamespace(try_number=try_number, max_tries=max_tries), "task_state_store": state}
 
 
+def recorder(op: HorovodRunnerOperator, folder, ctx: dict) -> TryRecorder:
+    """The operator's recorder of the try in ``folder``, as ``execute`` opens it (its settings, hook and log)."""
+    return TryRecorder(folder, ctx, op._try_settings(), hook=op.hook, log=op.log)
+
+
+def resume_from(op: HorovodRunnerOperator, folder, ctx: dict):
+    """The checkpoint the try in ``folder`` resumes from, and its local copy."""
+    return recorder(op, folder, ctx).resume_source()
+
+
 def try_folder(root: Path, try_number: int):
     return store.prepare_try(str(root), dag_id="d", run_id="r", task_id="train", try_number=try_number)
 
@@ -60,7 +72,7 @@ def local_version(tmp_path: Path, seq: int, step: int) -> tuple[Path, Version]:
 def stored(op: HorovodRunnerOperator, folder, ctx: dict, *versions: tuple[Version, Path]) -> list[dict]:
     """Each version offered to the operator's sink as the engine does, then the try's end (all uploaded)."""
     staging = Path(tempfile.mkdtemp(prefix="hvd-test-uploads-"))
-    uploads = op._version_sink(folder, ctx, staging)
+    uploads = recorder(op, folder, ctx).version_sink(staging)
     for version, local in versions:
         uploads(version, local)
     try:
@@ -89,7 +101,7 @@ def test_a_slow_store_coalesces_to_the_newest_version_and_the_try_end_says_what_
                                                                                                 artifact_root):
     root = artifact_root
     op, folder = operator(root, keep_checkpoints=5), try_folder(root, 1)
-    uploads = op._version_sink(folder, context(1, StateStore()), tmp_path / "uploads")
+    uploads = recorder(op, folder, context(1, StateStore())).version_sink(tmp_path / "uploads")
     big = tmp_path / "big"
     big.mkdir()
     (big / "model.pt").write_bytes(bytes(64 << 20))  # the first upload takes a while: the next ones wait
@@ -115,7 +127,7 @@ def test_a_retry_resumes_from_what_task_state_store_recorded_copied_to_a_local_f
     op, first = operator(root), try_folder(root, 1)
     local_folder, version = local_version(tmp_path, 1, 10)
     stored(op, first, context(1, state), (version, local_folder))
-    source, local = op._resume_from(try_folder(root, 2), context(2, state))
+    source, local = resume_from(op, try_folder(root, 2), context(2, state))
     assert (source.try_number, source.step, source.seq) == (1, 10, 1)
     assert (Path(local) / "model.pt").read_text() == "weights at step 10"
 
@@ -128,7 +140,7 @@ def test_without_a_record_the_store_scan_finds_the_newest_version_of_the_newest_
         scratch.mkdir()
         folder, version = local_version(scratch, 1, step)
         stored(op, try_folder(root, try_number), context(try_number), (version, folder))
-    source, local = op._resume_from(try_folder(root, 3), context(3, StateStore()))
+    source, local = resume_from(op, try_folder(root, 3), context(3, StateStore()))
     assert (source.try_number, source.step) == (2, 7)
     assert (Path(local) / "model.pt").read_text() == "weights at step 7"
 
@@ -138,8 +150,8 @@ def test_a_first_try_and_resume_never_start_from_scratch(tmp_path):
     local_folder, version = local_version(tmp_path, 1, 1)
     first = try_folder(root, 1)
     stored(operator(root), first, context(1, state), (version, local_folder))
-    assert operator(root)._resume_from(first, context(1, state)) == (None, None)  # a first try has nothing earlier
-    assert operator(root, resume="never")._resume_from(try_folder(root, 3), context(3, state)) == (None, None)
+    assert resume_from(operator(root), first, context(1, state)) == (None, None)  # a first try has nothing earlier
+    assert resume_from(operator(root, resume="never"), try_folder(root, 3), context(3, state)) == (None, None)
 
 
 def test_a_try_after_a_clear_starts_from_scratch_and_its_retries_resume_only_from_tries_since_the_clear(tmp_path):
@@ -147,12 +159,12 @@ def test_a_try_after_a_clear_starts_from_scratch_and_its_retries_resume_only_fro
     local_folder, version = local_version(tmp_path, 1, 5)
     stored(operator(root, retries=2), try_folder(root, 1), context(1, state, max_tries=2), (version, local_folder))
     # Clear after try 1: Airflow sets max_tries to 1 + retries, so try 2 is the first of a new round
-    assert operator(root, retries=2)._resume_from(try_folder(root, 2), context(2, state, max_tries=3)) == (None, None)
+    assert resume_from(operator(root, retries=2), try_folder(root, 2), context(2, state, max_tries=3)) == (None, None)
     # its retry (try 3) resumes from what try 2 committed, never from before the Clear
-    assert operator(root, retries=2)._resume_from(try_folder(root, 3), context(3, state, max_tries=3)) == (None, None)
+    assert resume_from(operator(root, retries=2), try_folder(root, 3), context(3, state, max_tries=3)) == (None, None)
     local_folder, version = local_version(tmp_path, 2, 9)
     stored(operator(root, retries=2), try_folder(root, 2), context(2, state, max_tries=3), (version, local_folder))
-    source, _ = operator(root, retries=2)._resume_from(try_folder(root, 3), context(3, state, max_tries=3))
+    source, _ = resume_from(operator(root, retries=2), try_folder(root, 3), context(3, state, max_tries=3))
     assert (source.try_number, source.step) == (2, 9)
 
 
@@ -161,14 +173,14 @@ def test_with_resume_on_clear_a_try_after_a_clear_resumes_as_a_retry_does(tmp_pa
     local_folder, version = local_version(tmp_path, 1, 5)
     op = operator(root, retries=0, resume_on_clear=True)
     stored(op, try_folder(root, 1), context(1, state, max_tries=0), (version, local_folder))
-    source, _ = op._resume_from(try_folder(root, 2), context(2, state, max_tries=1))  # cleared: max_tries 1 + 0
+    source, _ = resume_from(op, try_folder(root, 2), context(2, state, max_tries=1))  # cleared: max_tries 1 + 0
     assert (source.try_number, source.step) == (1, 5)
-    source, _ = op._resume_from(try_folder(root, 2), context(2, None, max_tries=1))  # Airflow 3.4: the store emptied
+    source, _ = resume_from(op, try_folder(root, 2), context(2, None, max_tries=1))  # Airflow 3.4: the store emptied
     assert source.try_number == 1  # the store scan finds it
 
 
 def test_the_first_try_since_a_clear_is_airflows_own_arithmetic():
-    from airflow_provider_horovod.operators.horovod import first_try_since_clear
+    from airflow_provider_horovod.recorder import first_try_since_clear
 
     def first(try_number, max_tries, retries):
         return first_try_since_clear(SimpleNamespace(try_number=try_number, max_tries=max_tries), retries)
@@ -186,8 +198,8 @@ def test_the_try_store_keeps_a_result_that_is_not_json_beside_the_artifacts_and_
     commit(local, staging, status="success", complete=True, run_id="abc", received=[])  # the engine's end
     folder = try_folder(root, 1)
     report = RunReport(run_id="abc", np=2, launcher="torch", status=RunStatus.SUCCESS, duration_s=1.5)
-    xcom = operator(root, launcher="torch")._store(folder, str(local), {1, 2}, report, store.TryStatus.SUCCESS, 1,
-                                                   None, None)
+    xcom = recorder(operator(root, launcher="torch"), folder, context(1)).store_try(
+        str(local), {1, 2}, report, store.TryStatus.SUCCESS, None)
     assert xcom["result"]["type"] == "builtins.set" and xcom["launcher"] == "torch"
     assert cloudpickle.loads(store.storage_path(xcom["result"]["artifact_uri"]).read_bytes()) == {1, 2}
     assert store.storage_path(xcom["checkpoint_uri"]).name == "checkpoints"

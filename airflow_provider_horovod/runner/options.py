@@ -71,3 +71,11 @@ def check_restarts(max_restarts: object, min_np: object, np: object = None) -> N
             raise ValueError("min_np needs np > 0: np < 0 runs local processes, whose number never shrinks")
         if min_np > np:
             raise ValueError("min_np=%d is more than np=%d; give min_np <= np" % (min_np, np))
+
+
+def check_last_call(last_call: object) -> float:
+    """``last_call``: seconds a restart that has ``min_np`` slots waits for the rest (``>= 0``)."""
+    if isinstance(last_call, bool) or not isinstance(last_call, (int, float)) or not 0 <= last_call < float("inf"):
+        raise ValueError("last_call must be a number of seconds >= 0 (how long a restart that has min_np slots waits "
+                         "for the rest; 0: start at once); got %r" % (last_call,))
+    return float(last_call)

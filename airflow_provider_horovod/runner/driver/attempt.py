@@ -219,7 +219,7 @@ class Attempt:
             stall_timeout_s=self.runner.stall_timeout,
             driver_stack=stack_of_this_host(horovod=self.runner.launcher.runs_horovod),
             timeline=self.runner.timeline,
-            collect_artifacts=self.runner.artifact_dir is not None,
+            collect_artifacts=self.sink is not None,  # every run keeps rank 0's folder (runner.run)
             has_resume=self.resume_from is not None,
             resume_local=str(self.resume_from) if (self.resume_from is not None and self.np < 0) else None,
             attempt=self.number,
@@ -417,24 +417,39 @@ class Attempt:
         log.info("The cluster has %d barrier slots after waiting %.1f s for them", self.slots, time.monotonic() - started)
 
     def _slots_for_restart(self, spark: Any) -> int:
-        """A restart's size: ``np`` when that many slots come back within ``start_timeout``; else what
-        there is, when that is at least ``min_np``; else ``InsufficientSlotsError``."""
-        deadline = time.monotonic() + self.runner.start_timeout
-        slots = self._available_slots(spark)
-        while slots is not None and slots < self.np and time.monotonic() < deadline and not self.runner._cancelled.is_set():
+        """A restart's size, asked of the policy every half second (``RestartPolicy.restart_size``):
+        ``np`` once that many slots are back; what there is once it is at least ``min_np`` and the last
+        call is over (or the master cannot gain slots); else ``InsufficientSlotsError``."""
+        policy, master = self.runner.restarts, _master(spark)
+        began, minimum_since, told = time.monotonic(), None, False
+        while True:
+            slots, now = self._available_slots(spark), time.monotonic()
+            if slots is not None and slots >= (policy.min_np or self.np):
+                minimum_since = minimum_since or now
+            else:
+                minimum_since = None
+            size = policy.restart_size(self.np, slots, waited_s=now - began, can_grow=not fixed_slots(master),
+                                       minimum_for_s=None if minimum_since is None else now - minimum_since,
+                                       start_timeout_s=self.runner.start_timeout)
+            if size.np is not None or size.fail:
+                break
+            if not told and minimum_since is not None:
+                told = True
+                log.info("Attempt %d: %d of np=%d barrier slots are back (min_np=%d); waiting up to last_call=%gs for "
+                         "the rest", self.number, slots, self.np, policy.min_np, policy.last_call_s)
+            if self.runner._cancelled.is_set():
+                self.ending = Ending.CANCELLED
+                raise RunCancelledError("The Horovod job was cancelled while its restart waited for barrier slots.")
             time.sleep(0.5)
-            slots = self._available_slots(spark)
-        size = self.runner.restarts.next_np(self.np, slots)
-        if size is None:
+        if size.fail:
             raise InsufficientSlotsError(
-                "Only %d of np=%d barrier slots came back within start_timeout=%gs after the loss, fewer than "
-                "min_np=%s. Add executors, or lower min_np to restart on what is left."
-                % (slots or 0, self.np, self.runner.start_timeout, self.runner.restarts.min_np or self.np))
-        if size < self.np:
-            log.warning("Attempt %d runs on %d of np=%d barrier tasks (min_np=%d): only %d slots came back within "
-                        "start_timeout=%gs", self.number, size, self.np, self.runner.restarts.min_np, slots,
-                        self.runner.start_timeout)
-        return size
+                "Only %d of np=%d barrier slots are there after the loss (%s after %.0f s), fewer than min_np=%s. Add "
+                "executors, or lower min_np to restart on what is left."
+                % (slots or 0, self.np, size.why, now - began, policy.min_np or self.np))
+        if size.np < self.np:
+            log.warning("Attempt %d runs on %d of np=%d barrier tasks (min_np=%d): %s, %.1f s after it began waiting",
+                        self.number, size.np, self.np, policy.min_np, size.why, now - began)
+        return size.np
 
     def _preempting(self, executors: list[str], why: str = "Spark is decommissioning executor %s") -> None:
         """Spark is decommissioning ``executors``: every task tells its ranks (``runtime.preempting()``),

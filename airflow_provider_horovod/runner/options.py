@@ -23,6 +23,7 @@ class Launcher(enum.StrEnum):
 
 VERBOSITIES = ("all", "log_callback_only")
 DEFAULT_START_TIMEOUT_S = 120.0
+DEFAULT_LAST_CALL_S = 30.0  # a restart with min_np slots waits this long for the rest (torchrun's elastic "last call")
 # a collective some rank never joins ends the run after this long: longer than any honest wait of
 # one rank for another (rank 0 saving or evaluating), far shorter than an execution_timeout
 DEFAULT_STALL_TIMEOUT_S = 600.0

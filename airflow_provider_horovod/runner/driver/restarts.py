@@ -15,6 +15,7 @@ import signal
 from typing import Any
 
 from airflow_provider_horovod.runner.events import Failure
+from airflow_provider_horovod.runner.options import DEFAULT_LAST_CALL_S
 
 
 class Ending(enum.StrEnum):
@@ -58,9 +59,6 @@ def ending_of(*, cancelled: bool, reason: str | None, cause: Failure | None, job
     if reason is None and job_error is not None and _SPARK_LOST.search(str(job_error)):
         return Ending.LOST
     return Ending.FAILED
-
-
-DEFAULT_LAST_CALL_S = 30.0  # torchrun's elastic rendezvous waits as long once the minimum is there
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,6 @@ from airflow_provider_horovod.runner.environment import require_framework, requi
 from airflow_provider_horovod.runner.events import RunReport, RunStatus
 from airflow_provider_horovod.runner.messages import Report
 from airflow_provider_horovod.runner.driver.restarts import (
-    DEFAULT_LAST_CALL_S,
     AttemptRecord,
     Ending,
     RestartPolicy,
@@ -42,6 +41,7 @@ from airflow_provider_horovod.runner.driver.restarts import (
     resumed_text,
 )
 from airflow_provider_horovod.runner.options import (
+    DEFAULT_LAST_CALL_S,
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_START_TIMEOUT_S,
     Launcher,

@@ -48,6 +48,7 @@ def test_templated_fields_render_from_the_context():
     ("max_artifact_files", 2.5, "max_artifact_files must be a positive int"),
     ("max_restarts", -1, "max_restarts must be an int >= 0"),
     ("min_np", 3, "min_np=3 is more than np=2"),
+    ("last_call", -1, "last_call must be a number of seconds >= 0"),
 ])
 def test_engine_options_are_checked_when_the_dag_is_parsed(option, value, message):
     with pytest.raises(ValueError, match=message):

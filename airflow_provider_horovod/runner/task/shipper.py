@@ -227,9 +227,13 @@ class Shipper(threading.Thread):
         self._check_uncommitted(time.monotonic(), ending=True)
 
     def _uncommitted(self) -> list[str]:
-        """The finished files of the live folder that the newest ``commit_checkpoint`` snapshot lacks
-        or holds otherwise (a file deleted since loses nothing)."""
-        return sorted(rel for rel, st in file_stats(self.folder).items() if self._committed.get(rel) != st)
+        """The finished files of the live folder that the newest ``commit_checkpoint`` snapshot (one
+        not yet taken included) lacks or holds otherwise (a file deleted since loses nothing)."""
+        committed = self._committed
+        with contextlib.suppress(OSError):
+            pending = sorted(p for p in (self.task.path / names.COMMITS_DIR).iterdir() if p.name.isdigit())
+            committed = file_stats(pending[-1]) if pending else committed
+        return sorted(rel for rel, st in file_stats(self.folder).items() if committed.get(rel) != st)
 
     def _check_uncommitted(self, now: float, *, ending: bool) -> None:
         """Once per attempt: say so when a run that calls ``commit_checkpoint`` saved files that no

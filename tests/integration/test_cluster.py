@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from airflow_provider_horovod.runner.options import DEFAULT_LAST_CALL_S
 from tests.integration import dataset_jobs
 from tests.integration.cluster import StandaloneCluster
 from tests.integration.scenarios.cluster_runs import DATASET_ROWS
 from tests.integration.scenarios.restart_runs import DATASET_ROWS as RESTART_DATASET_ROWS
 from tests.integration.scenarios.restart_runs import HOST_START_TIMEOUT_S as RESTART_HOST_START_TIMEOUT_S
-from tests.integration.scenarios.restart_runs import LAST_CALL_S as RESTART_LAST_CALL_S
 from tests.integration.scenarios.restart_runs import VICTIMS as RESTART_VICTIMS
 
 pytestmark = pytest.mark.slow
@@ -228,12 +228,13 @@ def test_a_host_decommissioned_before_it_is_gone_loses_no_step_and_the_run_finis
                                        "rows": RESTART_DATASET_ROWS}
 
 
-def test_a_worker_gone_for_good_with_min_np_starts_the_shrunken_attempt_within_last_call_plus_15_s_of_the_loss(
+def test_a_worker_gone_for_good_with_min_np_starts_the_shrunken_attempt_at_once_as_the_standalone_master_says_it_cannot_come_back(
         host_loss_run):
-    # min_np=1 of np=2, last_call=5 s, start_timeout=60 s: the restart has its one slot at once, waits the last
-    # call for the lost worker's, then starts on one rank, not after start_timeout
-    assert RESTART_LAST_CALL_S + 15 < RESTART_HOST_START_TIMEOUT_S
-    assert RESTART_LAST_CALL_S <= host_loss_run["last_started_after_kill_s"] < RESTART_LAST_CALL_S + 15
+    # min_np=1 of np=2, start_timeout=60 s, the default last_call: the master says one core is alive, so the
+    # restart runs on the one slot left at once, well within last call + 15 s of the loss (main: start_timeout)
+    assert host_loss_run["alive_cores"] == [2, 1]
+    assert RESTART_HOST_START_TIMEOUT_S > DEFAULT_LAST_CALL_S
+    assert host_loss_run["last_started_after_kill_s"] < DEFAULT_LAST_CALL_S
     assert host_loss_run["attempts"][1]["np"] == 1
 
 

@@ -39,6 +39,8 @@ from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.dataset import DatasetSpec, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
 from airflow_provider_horovod.runner.driver import executors
+from airflow_provider_horovod.runner.driver.capacity import can_reach, fixed_slots
+from airflow_provider_horovod.runner.driver.capacity import master_of as _master
 from airflow_provider_horovod.runner.driver.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.driver.preemption import DecommissionWatch
 from airflow_provider_horovod.runner.driver.restarts import Ending, ending_of
@@ -98,20 +100,6 @@ def verbosity(runner: HorovodRunner) -> str:
     """The run's ``driver_log_verbosity``; with ``np < 0`` always ``"all"``: local processes show every
     rank's output whatever it says, as sparkdl's HorovodRunner sends local-mode output to the cell."""
     return "all" if runner.np < 0 else runner.driver_log_verbosity
-
-
-def fixed_slots(master: str | None) -> bool:
-    """Whether a master's barrier slots can never grow: a local master (``local``, ``local[N]``,
-    ``local[*]``, ``local[N,F]``) runs its tasks in the driver's JVM, where no executor joins."""
-    return bool(master) and re.fullmatch(r"local(\[[^\]]*\])?", str(master).strip()) is not None
-
-
-def _master(spark: Any) -> str | None:
-    with contextlib.suppress(Exception):
-        return spark.sparkContext.master
-    with contextlib.suppress(Exception):
-        return spark.conf.get("spark.master", None)
-    return None
 
 
 def checked_plan(driver_python: str, driver_stack: dict[str, str], facts: list[TaskFacts]) -> Plan:
@@ -419,16 +407,17 @@ class Attempt:
     def _slots_for_restart(self, spark: Any) -> int:
         """A restart's size, asked of the policy every half second (``RestartPolicy.restart_size``):
         ``np`` once that many slots are back; what there is once it is at least ``min_np`` and the last
-        call is over (or the master cannot gain slots); else ``InsufficientSlotsError``."""
-        policy, master = self.runner.restarts, _master(spark)
-        began, minimum_since, told = time.monotonic(), None, False
+        call is over, or at once where the cluster says the rest cannot come (``capacity.can_reach``);
+        else ``InsufficientSlotsError``."""
+        policy, began, minimum_since, told = self.runner.restarts, time.monotonic(), None, False
         while True:
             slots, now = self._available_slots(spark), time.monotonic()
             if slots is not None and slots >= (policy.min_np or self.np):
                 minimum_since = minimum_since or now
             else:
                 minimum_since = None
-            size = policy.restart_size(self.np, slots, waited_s=now - began, can_grow=not fixed_slots(master),
+            can_grow = slots is None or slots >= self.np or can_reach(spark, self.np)  # asked only while short
+            size = policy.restart_size(self.np, slots, waited_s=now - began, can_grow=can_grow,
                                        minimum_for_s=None if minimum_since is None else now - minimum_since,
                                        start_timeout_s=self.runner.start_timeout)
             if size.np is not None or size.fail:

@@ -6,9 +6,10 @@ each time (``run_restarts``, on ``cluster_runs.py``'s SparkSession).
 has ``spark.decommission.enabled``), and it and the executor are killed once rank 0 has committed
 the version the notice asks for (and ``SETTLE_S`` more, in which no rank may step on) or ``NOTICE_S``
 after the notice, whichever comes first (a host gone for good, with a preemption notice); the run has
-``min_np=1``, ``last_call=LAST_CALL_S`` and a ``dataset=`` of ``DATASET_ROWS`` rows, trains
-``jobs.preemptible_job`` and restarts on the one slot left once the last call is over (its
-``start_timeout`` is far longer). ``LAUNCHER``: ``max_restarts=2`` and no ``artifact_dir`` (the engine
+``min_np=1``, the default ``last_call`` (30 s), ``start_timeout=HOST_START_TIMEOUT_S`` and a
+``dataset=`` of ``DATASET_ROWS`` rows, trains ``jobs.preemptible_job`` and restarts on the one slot
+left at once: the standalone master says its alive workers have one core (asked before and after
+the run too). ``LAUNCHER``: ``max_restarts=2`` and no ``artifact_dir`` (the engine
 keeps the versions in a run folder of its own); attempt 0 loses rank 1's executor, attempt 1 rank 0's
 (partition 0: mpirun, Horovod's rendezvous or torch's store), attempt 2 finishes.
 """
@@ -25,8 +26,7 @@ DATASET_ROWS = 101
 NOTICE_S = 10.0  # the most a decommissioned host lives on
 SETTLE_S = 2.0  # how long it lives on after rank 0's version: ranks step every 0.3 s, none may commit again
 VICTIMS = [1, 0]  # LAUNCHER: the rank whose executor is killed, in attempts 0 and 1
-LAST_CALL_S = 5.0  # LAUNCHER/host: how long the restart waits for the lost worker's slot once it has min_np
-HOST_START_TIMEOUT_S = 60.0  # LAUNCHER/host: far longer than the last call, so a restart that waited it shows
+HOST_START_TIMEOUT_S = 60.0  # LAUNCHER/host: longer than the last call, so a restart that waited either shows
 
 
 def kill_when_told(marker: Path, committed: list[int], done: threading.Event, host: bool) -> list[dict]:
@@ -69,6 +69,7 @@ def wait_for_version(committed: list[int], deadline: float) -> None:
 def run_restarts(spark, out: Path, launchers: list[str]) -> dict:
     """The restart runs named by ``launchers`` (``LAUNCHER`` or ``LAUNCHER/host``), in order: what each showed."""
     from airflow_provider_horovod import HorovodRunner
+    from airflow_provider_horovod.runner.driver import capacity
     from tests.integration import jobs
 
     results = {}
@@ -81,10 +82,11 @@ def run_restarts(spark, out: Path, launchers: list[str]) -> dict:
         kills = kill_when_told(marker, committed, done, host)
         runner = HorovodRunner(2, launcher=launcher, spark=spark, artifact_dir=out / folder if host else None,
                                max_restarts=1 if host else len(VICTIMS), min_np=1 if host else None,
-                               last_call=LAST_CALL_S, start_timeout=HOST_START_TIMEOUT_S if host else 60,
+                               start_timeout=HOST_START_TIMEOUT_S if host else 60,
                                dataset=spark.range(DATASET_ROWS) if host else None,
                                on_checkpoint=lambda version, _path: committed.append(version.step))
         began = time.monotonic()
+        alive_before = capacity.standalone_alive_cores(spark, spark.sparkContext.master) if host else None
         try:
             if host:
                 result = runner.run(jobs.preemptible_job, marker=str(marker), with_dataset=True)
@@ -99,5 +101,6 @@ def run_restarts(spark, out: Path, launchers: list[str]) -> dict:
                          "notices": [e for e in runner.last_run.events if e.get("kind") == "preempting"],
                          "seconds": time.monotonic() - began, "artifact_dir": runner.last_run.artifact_dir,
                          "checkpoints": runner.last_run.checkpoints,
-                         "last_started_after_kill_s": last_started - kills[-1]["at"] if kills and last_started else None}
+                         "last_started_after_kill_s": last_started - kills[-1]["at"] if kills and last_started else None,
+                         "alive_cores": [alive_before, capacity.standalone_alive_cores(spark, spark.sparkContext.master)]}
     return results

@@ -119,8 +119,9 @@ class HorovodRunner:
     :param min_np: the fewest barrier tasks a restart runs on when fewer than ``np`` slots come back
         (``runtime.size()`` follows); ``None`` (default): ``np``, always.
     :param last_call: seconds a restart that has ``min_np`` slots waits for the rest before it runs on
-        what there is (30 by default, torchrun's elastic "last call"; on a ``local[N]`` master, which
-        cannot gain slots, it starts at once). Below ``min_np`` it waits up to ``start_timeout``.
+        what there is (30 by default, torchrun's elastic "last call"); at once where the cluster says
+        the rest cannot come (a ``local[N]`` master; a standalone cluster whose alive workers have too
+        few cores). Below ``min_np`` it waits up to ``start_timeout``.
     """
 
     def __init__(

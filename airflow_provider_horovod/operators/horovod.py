@@ -192,6 +192,7 @@ class HorovodRunnerOperator(BaseOperator):
                       max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline,
                       stall_timeout=stall_timeout)
         check_restarts(max_restarts, None if _rendered_later(min_np) else min_np, np)
+        check_last_call(last_call)
         check_when_parsed(training_callable, np=np, op_args=op_args, op_kwargs=op_kwargs, resume=resume)
         check_dataset(dataset, templated=True)
         if dataset is not None and isinstance(np, int) and np < 0:
@@ -222,7 +223,7 @@ class HorovodRunnerOperator(BaseOperator):
         self.mlflow_conn_id = mlflow_conn_id
         self.max_restarts = max_restarts
         self.min_np = min_np
-        self.last_call = check_last_call(last_call)
+        self.last_call = float(last_call)
         self.progress_interval = None if progress_interval is None else check_progress_interval(progress_interval)
 
     @cached_property

@@ -128,8 +128,8 @@ class HorovodRunnerOperator(BaseOperator):
     :param min_np: the fewest barrier tasks a restart runs on when fewer than ``np`` slots come back
         (``runtime.size()`` says how many); ``None`` (default): ``np``. (templated)
     :param last_call: seconds a restart that has ``min_np`` slots waits for the rest before it runs on
-        what there is (30 by default; at once on a ``local[N]`` master or a standalone cluster whose
-        alive workers have too few cores).
+        what there is (30 by default; at once on a ``local[N]`` master, or when Spark decommissioned
+        the lost executor's standalone worker).
     :param progress_interval: seconds between two ``Horovod progress:`` lines in the task log (from
         rank 0's ``runtime.report``); defaults to ``[horovod] progress_interval`` (30).
     :param retry_policy: Airflow's retry policy (AIP-105); by default a ``HorovodRetryPolicy``, which

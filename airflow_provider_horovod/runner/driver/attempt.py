@@ -39,7 +39,7 @@ from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.dataset import DatasetSpec, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
 from airflow_provider_horovod.runner.driver import executors
-from airflow_provider_horovod.runner.driver.capacity import can_reach, fixed_slots
+from airflow_provider_horovod.runner.driver.capacity import can_grow, fixed_slots
 from airflow_provider_horovod.runner.driver.capacity import master_of as _master
 from airflow_provider_horovod.runner.driver.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.driver.preemption import DecommissionWatch
@@ -118,7 +118,8 @@ class Attempt:
 
     def __init__(self, runner: HorovodRunner, run_id: str, payload: bytes, report: RunReport,
                  staging: Path | None, sink: VersionSink | None, *, number: int = 0,
-                 resume_from: Path | None = None, lost_at: float | None = None) -> None:
+                 resume_from: Path | None = None, lost_at: float | None = None,
+                 decommissioned: list[str] | None = None) -> None:
         self.runner = runner
         self.number = number  # 0, then 1, 2, ... after each restart (runtime.attempt())
         # the first attempt is the run: its id, its job tag; a restart's tasks and folders are its own
@@ -128,6 +129,7 @@ class Attempt:
         self.np = runner.np  # a restart may run on fewer (min_np): every size below is this one
         self.resume_from = runner.resume_from if number == 0 else resume_from
         self.lost_at = lost_at  # when the attempt before lost its infrastructure (monotonic), for the log
+        self.decommissioned = list(decommissioned or ())  # executors Spark decommissioned: this attempt's, then its restart's
         self.ranks_started_at: float | None = None
         self.ending: Ending | None = None
         self._job: tuple[Any, str] | None = None  # (SparkSession, tag) of the stage submitted
@@ -407,7 +409,7 @@ class Attempt:
     def _slots_for_restart(self, spark: Any) -> int:
         """A restart's size, asked of the policy every half second (``RestartPolicy.restart_size``):
         ``np`` once that many slots are back; what there is once it is at least ``min_np`` and the last
-        call is over, or at once where the cluster says the rest cannot come (``capacity.can_reach``);
+        call is over, or at once where the cluster says the rest cannot come (``capacity.can_grow``);
         else ``InsufficientSlotsError``."""
         policy, began, minimum_since, told = self.runner.restarts, time.monotonic(), None, False
         while True:
@@ -416,8 +418,7 @@ class Attempt:
                 minimum_since = minimum_since or now
             else:
                 minimum_since = None
-            can_grow = slots is None or slots >= self.np or can_reach(spark, self.np)  # asked only while short
-            size = policy.restart_size(self.np, slots, waited_s=now - began, can_grow=can_grow,
+            size = policy.restart_size(self.np, slots, waited_s=now - began, can_grow=can_grow(spark, self.decommissioned),
                                        minimum_for_s=None if minimum_since is None else now - minimum_since,
                                        start_timeout_s=self.runner.start_timeout)
             if size.np is not None or size.fail:
@@ -449,6 +450,7 @@ class Attempt:
                 return
             self.preempted_at = time.monotonic()
         self.versions_at_notice = len(self.sink.committed) if self.sink is not None else 0
+        self.decommissioned += executors
         log.warning(why + ": every rank of attempt %d is told (runtime.preempting())", ", ".join(executors), self.number)
         self.channel.record({"kind": "preempting", "executors": executors})
         self.channel.send_tasks(messages.Preempting())

@@ -2,23 +2,18 @@
 
 A restart that has ``min_np`` slots waits a last call for the rest (``restarts.RestartPolicy``)
 only where more can come. They cannot on a local master (``local[N]``: the tasks run in the
-driver's JVM, no executor ever joins), nor on a standalone cluster whose alive workers have too few
-cores for ``np`` tasks (a worker gone for good: no executor of the others brings its slots, until
-someone starts a worker). The standalone master is asked as its own web UI and ``spark-class
-org.apache.spark.deploy.Client`` ask it: ``RequestMasterState`` over Spark's RPC, with the
-application's own RPC environment (and so its authentication). Other cluster managers (YARN,
-Kubernetes) can add executors: they get the last call.
+driver's JVM, no executor ever joins), nor on a standalone cluster once Spark decommissioned the
+worker of an executor the attempt before lost (``ExecutorDecommissionState.workerHost``: the whole
+worker goes away, and the master starts no executor on a decommissioned worker; the other workers'
+free slots are already counted). Elsewhere (YARN, Kubernetes, a worker that died without notice)
+more can come: the restart gives them its last call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 from typing import Any
-
-log = logging.getLogger(__name__)
-ASK_TIMEOUT_S = 5  # a master that does not answer within this long says nothing (the restart waits its last call)
 
 
 def fixed_slots(master: str | None) -> bool:
@@ -35,45 +30,21 @@ def master_of(spark: Any) -> str | None:
     return None
 
 
-def can_reach(spark: Any, np: int) -> bool:
-    """Whether ``np`` barrier slots can still come to this session's application, as the cluster
-    says (``True`` where it cannot say: Spark Connect, YARN, Kubernetes, an unreachable master)."""
+def can_grow(spark: Any, decommissioned: list[str]) -> bool:
+    """Whether more barrier slots can still come to this session's application, as the cluster says
+    (``decommissioned``: the executors Spark decommissioned during the attempt before)."""
     master = master_of(spark)
     if fixed_slots(master):
         return False
-    if master and master.startswith("spark://") and "," not in master:
-        cores = standalone_alive_cores(spark, master)
-        if cores is not None:
-            return cores // _task_cpus(spark) >= np
+    if master and master.startswith("spark://"):
+        return not any(worker_decommissioned(spark, executor) for executor in decommissioned)
     return True
 
 
-def standalone_alive_cores(spark: Any, master: str) -> int | None:
-    """The cores of the standalone ``master``'s alive workers (``None`` when it cannot be asked)."""
+def worker_decommissioned(spark: Any, executor: str) -> bool:
+    """Whether Spark decommissioned ``executor`` with its whole worker (a removed executor included,
+    for as long as the scheduler remembers it); ``False`` when the session cannot say."""
     with contextlib.suppress(Exception):
-        sc = spark.sparkContext
-        jvm = sc._jvm
-        rpc_env = sc._jsc.sc().env().rpcEnv()
-        address = _scala_object(jvm, "org.apache.spark.rpc.RpcAddress$").fromSparkURL(master)
-        ref = rpc_env.setupEndpointRef(address, "Master")
-        request = _scala_object(jvm, "org.apache.spark.deploy.DeployMessages$RequestMasterState$")
-        response_class = jvm.java.lang.Class.forName("org.apache.spark.deploy.DeployMessages$MasterStateResponse")
-        tag = _scala_object(jvm, "scala.reflect.ClassTag$").apply(response_class)
-        seconds = jvm.scala.concurrent.duration.FiniteDuration(ASK_TIMEOUT_S, jvm.java.util.concurrent.TimeUnit.SECONDS)
-        timeout = jvm.org.apache.spark.rpc.RpcTimeout(seconds, "spark.rpc.askTimeout")
-        workers = ref.askSync(request, timeout, tag).workers()
-        return sum(worker.cores() for worker in workers if worker.isAlive())
-    log.debug("Could not ask the standalone master %s for its workers", master)
-    return None
-
-
-def _scala_object(jvm: Any, name: str) -> Any:
-    """A Scala ``object``'s instance (``MODULE$``) through py4j."""
-    cls = jvm.java.lang.Class.forName(name)
-    return cls.getField("MODULE$").get(None)
-
-
-def _task_cpus(spark: Any) -> int:
-    with contextlib.suppress(Exception):
-        return max(1, int(spark.conf.get("spark.task.cpus", "1")))
-    return 1
+        state = spark.sparkContext._jsc.sc().taskScheduler().getExecutorDecommissionState(executor)
+        return bool(state.isDefined() and state.get().workerHost().isDefined())
+    return False

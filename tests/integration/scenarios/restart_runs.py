@@ -8,8 +8,7 @@ the version the notice asks for (and ``SETTLE_S`` more, in which no rank may ste
 after the notice, whichever comes first (a host gone for good, with a preemption notice); the run has
 ``min_np=1``, the default ``last_call`` (30 s), ``start_timeout=HOST_START_TIMEOUT_S`` and a
 ``dataset=`` of ``DATASET_ROWS`` rows, trains ``jobs.preemptible_job`` and restarts on the one slot
-left at once: the standalone master says its alive workers have one core (asked before and after
-the run too). ``LAUNCHER``: ``max_restarts=2`` and no ``artifact_dir`` (the engine
+left at once: Spark decommissioned that worker (``capacity.can_grow``). ``LAUNCHER``: ``max_restarts=2`` and no ``artifact_dir`` (the engine
 keeps the versions in a run folder of its own); attempt 0 loses rank 1's executor, attempt 1 rank 0's
 (partition 0: mpirun, Horovod's rendezvous or torch's store), attempt 2 finishes.
 """
@@ -86,7 +85,6 @@ def run_restarts(spark, out: Path, launchers: list[str]) -> dict:
                                dataset=spark.range(DATASET_ROWS) if host else None,
                                on_checkpoint=lambda version, _path: committed.append(version.step))
         began = time.monotonic()
-        alive_before = capacity.standalone_alive_cores(spark, spark.sparkContext.master) if host else None
         try:
             if host:
                 result = runner.run(jobs.preemptible_job, marker=str(marker), with_dataset=True)
@@ -102,5 +100,7 @@ def run_restarts(spark, out: Path, launchers: list[str]) -> dict:
                          "seconds": time.monotonic() - began, "artifact_dir": runner.last_run.artifact_dir,
                          "checkpoints": runner.last_run.checkpoints,
                          "last_started_after_kill_s": last_started - kills[-1]["at"] if kills and last_started else None,
-                         "alive_cores": [alive_before, capacity.standalone_alive_cores(spark, spark.sparkContext.master)]}
+                         "worker_decommissioned": {executor: capacity.worker_decommissioned(spark, executor)
+                                                   for event in runner.last_run.events if event.get("kind") == "preempting"
+                                                   for executor in event["executors"]}}
     return results

@@ -39,7 +39,7 @@ from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.dataset import DatasetSpec, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
 from airflow_provider_horovod.runner.driver import executors
-from airflow_provider_horovod.runner.driver.capacity import can_grow, fixed_slots
+from airflow_provider_horovod.runner.driver.capacity import can_grow, fixed_slots, worker_decommissioned
 from airflow_provider_horovod.runner.driver.capacity import master_of as _master
 from airflow_provider_horovod.runner.driver.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.driver.preemption import DecommissionWatch
@@ -119,7 +119,7 @@ class Attempt:
     def __init__(self, runner: HorovodRunner, run_id: str, payload: bytes, report: RunReport,
                  staging: Path | None, sink: VersionSink | None, *, number: int = 0,
                  resume_from: Path | None = None, lost_at: float | None = None,
-                 decommissioned: list[str] | None = None) -> None:
+                 workers_gone: list[str] | None = None) -> None:
         self.runner = runner
         self.number = number  # 0, then 1, 2, ... after each restart (runtime.attempt())
         # the first attempt is the run: its id, its job tag; a restart's tasks and folders are its own
@@ -129,7 +129,8 @@ class Attempt:
         self.np = runner.np  # a restart may run on fewer (min_np): every size below is this one
         self.resume_from = runner.resume_from if number == 0 else resume_from
         self.lost_at = lost_at  # when the attempt before lost its infrastructure (monotonic), for the log
-        self.decommissioned = list(decommissioned or ())  # executors Spark decommissioned: this attempt's, then its restart's
+        # executors whose worker Spark decommissioned (capacity.can_grow): the attempts' before, then this one's
+        self.workers_gone = list(workers_gone or ())
         self.ranks_started_at: float | None = None
         self.ending: Ending | None = None
         self._job: tuple[Any, str] | None = None  # (SparkSession, tag) of the stage submitted
@@ -418,7 +419,7 @@ class Attempt:
                 minimum_since = minimum_since or now
             else:
                 minimum_since = None
-            size = policy.restart_size(self.np, slots, waited_s=now - began, can_grow=can_grow(spark, self.decommissioned),
+            size = policy.restart_size(self.np, slots, waited_s=now - began, can_grow=can_grow(spark, self.workers_gone),
                                        minimum_for_s=None if minimum_since is None else now - minimum_since,
                                        start_timeout_s=self.runner.start_timeout)
             if size.np is not None or size.fail:
@@ -450,7 +451,8 @@ class Attempt:
                 return
             self.preempted_at = time.monotonic()
         self.versions_at_notice = len(self.sink.committed) if self.sink is not None else 0
-        self.decommissioned += executors
+        if self._job is not None:  # asked now: the scheduler forgets the state once the executor is gone
+            self.workers_gone += [e for e in executors if worker_decommissioned(self._job[0], e)]
         log.warning(why + ": every rank of attempt %d is told (runtime.preempting())", ", ".join(executors), self.number)
         self.channel.record({"kind": "preempting", "executors": executors})
         self.channel.send_tasks(messages.Preempting())

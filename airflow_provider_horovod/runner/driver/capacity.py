@@ -3,10 +3,10 @@
 A restart that has ``min_np`` slots waits a last call for the rest (``restarts.RestartPolicy``)
 only where more can come. They cannot on a local master (``local[N]``: the tasks run in the
 driver's JVM, no executor ever joins), nor on a standalone cluster once Spark decommissioned the
-worker of an executor the attempt before lost (``ExecutorDecommissionState.workerHost``: the whole
-worker goes away, and the master starts no executor on a decommissioned worker; the other workers'
-free slots are already counted). Elsewhere (YARN, Kubernetes, a worker that died without notice)
-more can come: the restart gives them its last call.
+worker of an executor of the attempt before (``ExecutorDecommissionState.workerHost``, read at the
+notice: the scheduler forgets it when the executor is gone; the master starts no executor on a
+decommissioned worker, and the other workers' free slots are already counted). Elsewhere (YARN,
+Kubernetes, a worker that died without notice) more can come: the restart gives them its last call.
 """
 
 from __future__ import annotations
@@ -30,20 +30,18 @@ def master_of(spark: Any) -> str | None:
     return None
 
 
-def can_grow(spark: Any, decommissioned: list[str]) -> bool:
+def can_grow(spark: Any, workers_gone: list[str]) -> bool:
     """Whether more barrier slots can still come to this session's application, as the cluster says
-    (``decommissioned``: the executors Spark decommissioned during the attempt before)."""
+    (``workers_gone``: executors of the attempt before whose worker Spark decommissioned)."""
     master = master_of(spark)
     if fixed_slots(master):
         return False
-    if master and master.startswith("spark://"):
-        return not any(worker_decommissioned(spark, executor) for executor in decommissioned)
-    return True
+    return not (master and master.startswith("spark://") and workers_gone)
 
 
 def worker_decommissioned(spark: Any, executor: str) -> bool:
-    """Whether Spark decommissioned ``executor`` with its whole worker (a removed executor included,
-    for as long as the scheduler remembers it); ``False`` when the session cannot say."""
+    """Whether Spark is decommissioning ``executor`` with its whole worker (ask while the executor is
+    still there: the scheduler forgets the state once it is removed); ``False`` when it cannot say."""
     with contextlib.suppress(Exception):
         state = spark.sparkContext._jsc.sc().taskScheduler().getExecutorDecommissionState(executor)
         return bool(state.isDefined() and state.get().workerHost().isDefined())

@@ -120,7 +120,8 @@ class HorovodRunner:
         (``runtime.size()`` follows); ``None`` (default): ``np``, always.
     :param last_call: seconds a restart that has ``min_np`` slots waits for the rest before it runs on
         what there is (30 by default, torchrun's elastic "last call"); at once where the cluster says
-        the rest cannot come (a ``local[N]`` master; a standalone worker Spark decommissioned). Below ``min_np`` it waits up to ``start_timeout``.
+        the rest cannot come (a ``local[N]`` master; a standalone worker Spark decommissioned). Below
+        ``min_np`` it waits up to ``start_timeout``.
     """
 
     def __init__(
@@ -252,11 +253,11 @@ class HorovodRunner:
         resume: Path | None = None
         resumed: dict[str, Any] | None = None
         lost_at: float | None = None
-        decommissioned: list[str] = []  # the executors Spark decommissioned in the attempt before (capacity.can_grow)
+        workers_gone: list[str] = []  # executors whose worker Spark decommissioned in an attempt before (capacity.can_grow)
         for number in itertools.count():
             attempt = self._attempt = self._last = Attempt(self, run_id, payload, report, staging, sink, number=number,
                                                            resume_from=resume, lost_at=lost_at,
-                                                           decommissioned=decommissioned)
+                                                           workers_gone=workers_gone)
             if number == 0 and attempt.resume_from is not None:
                 resumed = {"path": str(attempt.resume_from)}
             record = AttemptRecord(number=number, np=attempt.np, started_s=round(time.monotonic() - started, 3),
@@ -278,7 +279,7 @@ class HorovodRunner:
                 if self._cancelled.is_set():
                     raise RunCancelledError("The Horovod job was cancelled while it restarted; every rank was stopped.") from err
                 lost_at = attempt.ended_at or time.monotonic()
-                decommissioned = attempt.decommissioned
+                workers_gone = attempt.workers_gone
                 self._await_preempted_version(attempt, sink)
                 resume, resumed = self._resume_point(sink, number + 1)
                 log.warning("Attempt %d of run %s lost its infrastructure (%s); restart %d of max_restarts=%d resumes "

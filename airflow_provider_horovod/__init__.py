@@ -11,6 +11,7 @@ from airflow_provider_horovod.exceptions import (
     ClusterSettingsError,
     DatasetError,
     ExecutorMismatchError,
+    FixedSlotsError,
     HorovodRunError,
     InsufficientSlotsError,
     Keras3NotSupportedError,
@@ -18,6 +19,7 @@ from airflow_provider_horovod.exceptions import (
     RunCancelledError,
     StallError,
     TrainingStackError,
+    WrongLauncherError,
 )
 __version__ = "0.1.0"
 
@@ -26,6 +28,7 @@ __all__ = [
     "ClusterSettingsError",
     "DatasetError",
     "ExecutorMismatchError",
+    "FixedSlotsError",
     "HorovodRunError",
     "HorovodRunner",
     "InsufficientSlotsError",
@@ -34,6 +37,7 @@ __all__ = [
     "RunCancelledError",
     "StallError",
     "TrainingStackError",
+    "WrongLauncherError",
     "__version__",
 ]
 

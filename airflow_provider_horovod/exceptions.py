@@ -49,6 +49,11 @@ class InsufficientSlotsError(HorovodRunError):
     """The cluster has fewer barrier slots than the ranks asked for."""
 
 
+class FixedSlotsError(InsufficientSlotsError):
+    """The cluster has fewer barrier slots than the ranks asked for, and its slots cannot grow (a
+    ``local[N]`` master, where no executor joins): no wait and no retry fixes it."""
+
+
 class TrainingStackError(HorovodRunError):
     """The driver's Python cannot run a job: Horovod is missing, or built without a framework, MPI
     or Gloo, or its framework is not installed. Raised before Spark starts; the message names the
@@ -88,6 +93,11 @@ class Keras3NotSupportedError(TypeError):
 
     Raised inside the rank (``runner.rank.keras_guard``); the run fails with it as the rank's error.
     """
+
+
+class WrongLauncherError(RuntimeError):
+    """Training code initialised Horovod in a rank that ``launcher="torch"`` started: Horovod would
+    train every rank as a world of one (nothing averaged). Raised at ``hvd.init()``."""
 
 
 class ArtifactError(RuntimeError):

@@ -12,18 +12,27 @@ the training function raised (a rank's own exception)  fail now: the next try ra
 ``TrainingStackError``, ``ExecutorMismatchError``      reads the same data, finds the same
 (environment or version mismatch),                     executors and settings
 ``ClusterSettingsError``, ``Keras3NotSupportedError``
+``FixedSlotsError`` (too few slots on a ``local[N]``   fail now: no executor can join a local
+master)                                                master, the next try finds the same slots
 ``InsufficientSlotsError`` (too few slots)             retry after ``slots_delay`` (5 min)
 a lost host, executor or task; a rank killed by a      retry after ``lost_delay`` (30 s), resumed
-signal (the OOM killer, a preemption); a stall whose   from the newest committed checkpoint
-stalled rank did not answer (``StallError``,
-``unresponsive``: stopped, gone)
+signal from outside (``SIGKILL``: the OOM killer;      from the newest committed checkpoint
+``SIGTERM``: a preemption; ``SIGHUP``, ``SIGINT``); a
+stall whose stalled rank did not answer
+(``StallError``, ``unresponsive``: stopped, gone)
+a rank killed by a signal of its own (``SIGABRT``:     fail now: a crash, the next try crashes
+``os.abort()``, a failed native assert; ``SIGSEGV``,   again (the restart table's rule)
+``SIGBUS``, ``SIGFPE``, ``SIGILL``)
 a stall with a rank stuck in the user's code           fail now: a bug, the next try stalls again
 anything else (a cancel, a timeout, ...)               Airflow's default (``retries``,
                                                        ``retry_delay``), or ``fallback``'s decision
 =====================================================  ==========================================
 
 Every decision is bounded by the task's ``retries``: a policy can fail a task early, never retry it
-more. The decision's reason is in the task log (Airflow's ``Retry policy decision`` line, and the
+more. The delays only replace Airflow's default: a task that sets ``retry_delay`` itself (as an
+argument or in ``default_args``) is retried after its own delay (and its
+``retry_exponential_backoff``), unless the policy was given ``slots_delay`` or ``lost_delay``
+explicitly. The decision's reason is in the task log (Airflow's ``Retry policy decision`` line, and the
 operator's own line before it) and, for a try that stored its artifacts, in the Horovod view.
 
 .. seealso:: ``docs/how-to.md`` ("Retries")
@@ -41,6 +50,7 @@ from airflow_provider_horovod.exceptions import (
     ClusterSettingsError,
     DatasetError,
     ExecutorMismatchError,
+    FixedSlotsError,
     HorovodRunError,
     InsufficientSlotsError,
     Keras3NotSupportedError,
@@ -48,6 +58,8 @@ from airflow_provider_horovod.exceptions import (
     RunCancelledError,
     TrainingStackError,
 )
+from airflow_provider_horovod.runner.driver.restarts import killed_from_outside
+from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.text import one_line
 
 if TYPE_CHECKING:
@@ -69,6 +81,7 @@ _NEVER_FIXED: tuple[tuple[type[BaseException], str], ...] = (
     (TrainingStackError, "the driver's training stack is incomplete"),
     (ExecutorMismatchError, "an executor's environment differs from the driver's"),
     (ClusterSettingsError, "the Spark settings cannot run a barrier stage"),
+    (FixedSlotsError, "the cluster's barrier slots cannot grow"),
 )
 
 
@@ -102,8 +115,8 @@ class Verdict:
         if self.action == RetryAction.FAIL:
             return "Not retried (%s): %s" % (self.cause, self.reason)
         if self.action == RetryAction.RETRY:
-            delay = (policy or HorovodRetryPolicy()).delay_for(self.cause)
-            return "Retried after %g s if retries are left (%s): %s" % (delay.total_seconds(), self.cause, self.reason)
+            return "Retried after %s if retries are left (%s): %s" % (
+                (policy or HorovodRetryPolicy()).describe_delay(self.cause), self.cause, self.reason)
         return "Airflow's retry rules apply (%s): %s" % (self.cause, self.reason)
 
 
@@ -113,11 +126,11 @@ def judge(error: BaseException, failure: dict[str, Any] | None = None) -> Verdic
     failure = failure if failure is not None else getattr(error, "failure", None)
     if isinstance(error, RunCancelledError):
         return Verdict(Cause.OTHER, "the run was cancelled")
-    if isinstance(error, InsufficientSlotsError):
-        return Verdict(Cause.SLOTS, _first_line(error))
     for cls, why in _NEVER_FIXED:
         if isinstance(error, cls):
             return Verdict(Cause.NEVER_FIXED, "%s (%s: %s)" % (why, cls.__name__, _first_line(error)))
+    if isinstance(error, InsufficientSlotsError):
+        return Verdict(Cause.SLOTS, _first_line(error))
     if not isinstance(error, HorovodRunError):
         return Verdict(Cause.OTHER, "%s: %s" % (type(error).__name__, _first_line(error)))
     return _judge_run(error, failure if isinstance(failure, dict) else {})
@@ -139,7 +152,11 @@ def _judge_run(error: HorovodRunError, failure: dict[str, Any]) -> Verdict:
                        "again. Fix the code and clear the task" % (one_line(exception)[:300], where))
     exit_text = str(failure.get("exit") or "")
     if rank is not None and "killed by" in exit_text and not failure.get("consequence"):
-        return Verdict(Cause.LOST, "%s %s (the OOM killer, a preemption or a lost machine)" % (where, one_line(exit_text)))
+        if killed_from_outside(Failure(message="", exit=exit_text)):
+            return Verdict(Cause.LOST, "%s %s (the OOM killer, a preemption or a lost machine)" % (where, one_line(exit_text)))
+        return Verdict(Cause.USER_CODE, "%s %s, a signal of its own: a crash (os.abort(), a failed assertion or a fault "
+                       "in native code), which the next try would repeat. Fix the code and clear the task"
+                       % (where, one_line(exit_text)))
     if rank is None and failure.get("executor") and not exit_text and not exception:
         return Verdict(Cause.LOST, one_line(str(failure.get("message"))))
     if "ExecutorLostFailure" in str(error):  # Spark's own words for a lost executor
@@ -162,18 +179,53 @@ class HorovodRetryPolicy(RetryPolicy):
         resumes from the newest committed checkpoint, so waiting costs no training).
     :param fallback: an Airflow retry policy (``ExceptionRetryPolicy``, ...) that decides what this
         policy leaves to Airflow's default; ``None``: Airflow's default.
+    :param task_retry_delay: the task's own ``retry_delay``, when the task set one: it replaces the
+        delays this policy was not given (the operator sets it; ``None``: the policy's defaults).
     """
 
-    def __init__(self, *, slots_delay: timedelta | float = DEFAULT_SLOTS_DELAY,
-                 lost_delay: timedelta | float = DEFAULT_LOST_DELAY, fallback: RetryPolicy | None = None) -> None:
-        self.slots_delay = _delay(slots_delay, "slots_delay")
-        self.lost_delay = _delay(lost_delay, "lost_delay")
+    def __init__(self, *, slots_delay: timedelta | float | None = None, lost_delay: timedelta | float | None = None,
+                 fallback: RetryPolicy | None = None, task_retry_delay: timedelta | float | None = None) -> None:
+        self.given = {name: _delay(value, name) for name, value in (("slots_delay", slots_delay),
+                                                                   ("lost_delay", lost_delay)) if value is not None}
+        self.task_retry_delay = None if task_retry_delay is None else _delay(task_retry_delay, "task_retry_delay")
         if fallback is not None and not isinstance(fallback, RetryPolicy):
-            raise TypeError("fallback must be an Airflow RetryPolicy (or None); got %r" % (fallback,))
+            raise TypeError("fallback must be an Airflow RetryPolicy instance (or None); got %r" % (fallback,))
         self.fallback = fallback
 
-    def delay_for(self, cause: str) -> timedelta:
-        return self.slots_delay if cause == Cause.SLOTS else self.lost_delay
+    @property
+    def slots_delay(self) -> timedelta:
+        """The delay before a retry after too few slots: the one given, else the task's, else 5 min."""
+        return self._effective(Cause.SLOTS)
+
+    @property
+    def lost_delay(self) -> timedelta:
+        """The delay before a retry after lost infrastructure: the one given, else the task's, else 30 s."""
+        return self._effective(Cause.LOST)
+
+    def _effective(self, cause: str) -> timedelta:
+        delay = self.delay_for(cause)
+        return delay if delay is not None else (self.task_retry_delay or timedelta(0))
+
+    def for_task(self, retry_delay: timedelta | float) -> HorovodRetryPolicy:
+        """This policy for a task that set ``retry_delay`` itself: the delays this policy was not given
+        are left to the task (its ``retry_delay`` and ``retry_exponential_backoff``)."""
+        return type(self)(**{**self.given, "fallback": self.fallback, "task_retry_delay": retry_delay})
+
+    def delay_for(self, cause: str) -> timedelta | None:
+        """The delay of a retry for ``cause``; ``None``: the task's own (Airflow computes it, backoff included)."""
+        name = "slots_delay" if cause == Cause.SLOTS else "lost_delay"
+        if name in self.given:
+            return self.given[name]
+        if self.task_retry_delay is not None:
+            return None
+        return DEFAULT_SLOTS_DELAY if cause == Cause.SLOTS else DEFAULT_LOST_DELAY
+
+    def describe_delay(self, cause: str) -> str:
+        """``30 s``, or ``the task's retry_delay (2 s)``."""
+        delay = self.delay_for(cause)
+        if delay is None:
+            return "the task's retry_delay (%g s)" % self.task_retry_delay.total_seconds()
+        return "%g s" % delay.total_seconds()
 
     def evaluate(self, exception: BaseException, try_number: int, max_tries: int,
                  context: Context | None = None) -> RetryDecision:
@@ -188,8 +240,9 @@ class HorovodRetryPolicy(RetryPolicy):
 
     def serialize(self) -> dict[str, Any]:
         out: dict[str, Any] = {"__type": "%s.%s" % (__name__, type(self).__qualname__),
-                               "slots_delay": self.slots_delay.total_seconds(),
-                               "lost_delay": self.lost_delay.total_seconds()}
+                               **{name: delay.total_seconds() for name, delay in self.given.items()}}
+        if self.task_retry_delay is not None:
+            out["task_retry_delay"] = self.task_retry_delay.total_seconds()
         if self.fallback is not None:
             out["fallback"] = self.fallback.serialize()
             out["fallback_type"] = "%s.%s" % (type(self.fallback).__module__, type(self.fallback).__qualname__)
@@ -202,17 +255,31 @@ class HorovodRetryPolicy(RetryPolicy):
             from airflow.sdk.module_loading import import_string
 
             fallback = import_string(data["fallback_type"]).deserialize(data["fallback"])
-        return cls(slots_delay=data["slots_delay"], lost_delay=data["lost_delay"], fallback=fallback)
+        return cls(slots_delay=data.get("slots_delay"), lost_delay=data.get("lost_delay"), fallback=fallback,
+                   task_retry_delay=data.get("task_retry_delay"))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, HorovodRetryPolicy) and self.serialize() == other.serialize()
 
     def __hash__(self) -> int:
-        return hash((self.slots_delay, self.lost_delay))
+        return hash((self.slots_delay, self.lost_delay, self.task_retry_delay))
 
     def __repr__(self) -> str:
-        return "HorovodRetryPolicy(slots_delay=%r, lost_delay=%r, fallback=%r)" % (
-            self.slots_delay, self.lost_delay, self.fallback)
+        return "HorovodRetryPolicy(slots_delay=%r, lost_delay=%r, fallback=%r, task_retry_delay=%r)" % (
+            self.given.get("slots_delay"), self.given.get("lost_delay"), self.fallback, self.task_retry_delay)
+
+
+def check_policy(policy: Any) -> None:
+    """A task's ``retry_policy``: an Airflow ``RetryPolicy`` instance or ``None``; a class (``retry_policy=
+    HorovodRetryPolicy``) or anything else is refused when the DAG is parsed, naming the fix (Airflow itself
+    would log "Retry policy evaluation failed" at the first failure and retry it blindly)."""
+    if policy is None or isinstance(policy, RetryPolicy):
+        return
+    if isinstance(policy, type) and issubclass(policy, RetryPolicy):
+        raise TypeError("retry_policy=%s is a class; give an instance: retry_policy=%s() (or retry_policy=None for "
+                        "Airflow's own rule)." % (policy.__name__, policy.__name__))
+    raise TypeError("retry_policy must be an Airflow RetryPolicy instance (HorovodRetryPolicy(), "
+                    "ExceptionRetryPolicy(rules=[...])) or None; got %r." % (policy,))
 
 
 def _delay(value: timedelta | float, name: str) -> timedelta:
@@ -224,4 +291,4 @@ def _delay(value: timedelta | float, name: str) -> timedelta:
     return delay
 
 
-__all__ = ["Cause", "HorovodRetryPolicy", "Verdict", "judge"]
+__all__ = ["Cause", "HorovodRetryPolicy", "Verdict", "check_policy", "judge"]

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -70,6 +71,43 @@ EXTRA_TO_CONF = {
 
 
 _CREATED: dict[str, Any] = {}  # the classic SparkSession a hook of this process created last, and its conf
+
+
+# Artifact roots: the schemes that are local folders, and what makes the others work.
+LOCAL_SCHEMES = ("file", "local")
+# A scheme followed by one slash or none ("s3:/bucket/x", "s3:bucket"): a URL written wrong, which would
+# otherwise be a local folder named "s3:" under AIRFLOW_HOME.
+MALFORMED_ROOT = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)")
+FILESYSTEM_EXTRAS = {
+    "s3": "Install the s3 extra: pip install \"airflow-provider-horovod[s3]\" (Airflow's Amazon provider with s3fs).",
+    "gs": "Install Airflow's Google provider with gcsfs: pip install \"apache-airflow-providers-google\" gcsfs.",
+    "gcs": "Install Airflow's Google provider with gcsfs: pip install \"apache-airflow-providers-google\" gcsfs.",
+    "abfs": "Install Airflow's Microsoft Azure provider with adlfs: pip install "
+            "\"apache-airflow-providers-microsoft-azure\" adlfs.",
+}
+FILESYSTEM_MODULES = {"s3": ("s3fs",), "gs": ("gcsfs",), "gcs": ("gcsfs",), "abfs": ("adlfs",)}
+
+
+def check_root_syntax(root: str, what: str = "artifact_root") -> None:
+    """A root that looks like a URL must be one (``scheme://...``); ``ArtifactError`` naming the fix otherwise.
+    A pure check: it runs when a DAG is parsed too."""
+    found = MALFORMED_ROOT.match(root.strip())
+    if found is None or len(found.group(1)) < 2:  # "C:..." is no scheme this provider knows either, but a path
+        return
+    scheme, rest = found.group(1), root.strip()[found.end():].lstrip("/")
+    meant = ("%s:///%s" if scheme.lower() in LOCAL_SCHEMES else "%s://%s") % (scheme, rest)
+    raise ArtifactError(
+        "%s %r is not a URL: a scheme needs two slashes (%s), and as it is the artifacts would go to a local "
+        "folder named %r. Write %s, or an absolute path (/data/horovod) for a local folder."
+        % (what, root, meant, scheme + ":", meant))
+
+
+def _without_password(root: str) -> str:
+    """``root`` for a message: a password in its user info (``s3://key:secret@bucket``) is not repeated."""
+    parts = urlsplit(root)
+    if parts.password is None:
+        return root
+    return root.replace(":%s@" % parts.password, ":***@", 1)
 
 
 class SparkConnectionError(ValueError):
@@ -254,6 +292,7 @@ class HorovodRunnerHook(BaseHook):
             builder = builder.remote(target.remote)
             self._owns_session = True
         else:
+            check_jvm_conf(conf)  # before an earlier task's session is stopped for this one
             active = self._active_session({**conf, "spark.master": str(target.master)})
             self._owns_session = active is None
             builder = builder.master(target.master)
@@ -272,8 +311,12 @@ class HorovodRunnerHook(BaseHook):
         check_reachable(target)
         if target.remote:
             return
+        launch = {**conf, "spark.master": str(target.master), "spark.app.name": self.app_name}
+        if _JVM_LAUNCH.get("conf") is not None:  # an earlier task of this process started the JVM
+            reuse_jvm(launch, self.log)
+            return
         try:
-            start_jvm({**conf, "spark.master": str(target.master), "spark.app.name": self.app_name}, JVM_LOG)
+            start_jvm(launch, JVM_LOG)
         except GatewayExitedError as err:
             raise SparkConnectionError(gateway_exited_message(target, err.lines)) from None
 
@@ -402,9 +445,48 @@ class HorovodRunnerHook(BaseHook):
 
     @classmethod
     def _absolute(cls, root: str) -> str:
+        check_root_syntax(root)
         if "://" in root or os.path.isabs(os.path.expanduser(root)):
             return root
         return os.path.join(cls._airflow_home(), root)
+
+    @classmethod
+    def check_artifact_root(cls, root: str) -> None:
+        """Before Spark starts: ``root``'s file system is installed and the connection it names is defined;
+        else an ``ArtifactError`` that names the missing extra or connection (instead of a write probe that
+        fails seconds later and reads like an endpoint or IAM problem)."""
+        check_root_syntax(root)
+        parts = urlsplit(root) if "://" in root else None
+        if parts is None or parts.scheme in LOCAL_SCHEMES:
+            return
+        from airflow.sdk.io.fs import has_fs
+
+        install = FILESYSTEM_EXTRAS.get(parts.scheme)
+        missing = [module for module in FILESYSTEM_MODULES.get(parts.scheme, ())
+                   if importlib.util.find_spec(module) is None]
+        if not has_fs(parts.scheme) or missing:
+            raise ArtifactError(
+                "The artifact root %s needs a file system for %s://, which is not installed in this Airflow worker's "
+                "Python%s. %s No Spark was started." % (
+                    _without_password(root), parts.scheme, " (%s cannot be imported)" % ", ".join(missing) if missing else "",
+                    install or "Check the scheme's spelling (file://, s3://, gs://, abfs://), or install the Airflow "
+                               "provider that registers a file system for it."))
+        conn_id = parts.username
+        if conn_id:
+            cls._require_connection(root, conn_id)
+
+    @classmethod
+    def _require_connection(cls, root: str, conn_id: str) -> None:
+        from airflow.sdk.exceptions import AirflowNotFoundException
+
+        try:
+            BaseHook.get_connection(conn_id)
+        except AirflowNotFoundException:
+            raise ArtifactError(
+                "The artifact root %s names the Airflow connection %r, which is not defined here. Define it (e.g. "
+                "airflow connections add %s --conn-type aws ..., or AIRFLOW_CONN_%s in the worker's environment) or "
+                "fix the name in the URL (scheme://<conn_id>@<bucket>/<prefix>). No Spark was started."
+                % (_without_password(root), conn_id, conn_id, conn_id.upper())) from None
 
     @classmethod
     def resume_roots(cls, artifact_root: str | None) -> list[str]:
@@ -493,6 +575,7 @@ def start_jvm(conf: dict[str, str], logger: logging.Logger) -> None:
 
     if SparkContext._gateway is not None:
         return
+    _JVM_LAUNCH["conf"] = dict(conf)
     fd, path = tempfile.mkstemp(prefix="hvd-jvm-", suffix=".log")
     try:
         read_fd = os.open(path, os.O_RDONLY)
@@ -503,12 +586,70 @@ def start_jvm(conf: dict[str, str], logger: logging.Logger) -> None:
             gateway = launch_gateway(SparkConf(loadDefaults=False),
                                      popen_kwargs={"stdout": fd, "stderr": fd, "start_new_session": True})
     except PySparkRuntimeError as err:
+        _JVM_LAUNCH.clear()
         if err.getCondition() != "JAVA_GATEWAY_EXITED":
             raise
         raise GatewayExitedError(output.finish()) from None
     finally:
         os.close(fd)
     SparkContext._ensure_initialized(gateway=gateway)
+
+
+# The Spark conf this process's JVM was started with (spark-submit made each key a Java system property,
+# which every later SparkContext of the JVM reads as its default); empty until a hook starts the JVM.
+_JVM_LAUNCH: dict[str, dict[str, str]] = {}
+# Spark conf that takes effect only when the driver's JVM starts: its memory, options and class path (what
+# spark-submit resolves into them), and its Kerberos login. A later SparkContext in the same JVM cannot change it.
+JVM_LAUNCH_KEYS = frozenset({
+    "spark.driver.memory", "spark.driver.extraJavaOptions", "spark.driver.defaultJavaOptions",
+    "spark.driver.extraClassPath", "spark.driver.extraLibraryPath", "spark.driver.userClassPathFirst",
+    "spark.jars", "spark.jars.packages", "spark.jars.repositories", "spark.jars.excludes", "spark.jars.ivy",
+    "spark.jars.ivySettings", "spark.kerberos.keytab", "spark.kerberos.principal",
+})
+
+
+def launch_conflicts(wanted: dict[str, str], launched: dict[str, str]) -> list[str]:
+    """The keys of ``wanted`` that cannot take effect in a JVM started with ``launched``: JVM-start keys whose
+    value differs (set, changed or unset). A pure function."""
+    return sorted(key for key in JVM_LAUNCH_KEYS if wanted.get(key) != launched.get(key))
+
+
+def check_jvm_conf(conf: dict[str, str]) -> None:
+    """When an earlier task of this process started the JVM (``airflow dags test`` runs every task in one
+    process): ``SparkConnectionError`` for conf that only a new JVM could apply, naming it and why."""
+    launched = _JVM_LAUNCH.get("conf")
+    conflicts = [] if launched is None else launch_conflicts(conf, launched)
+    if conflicts:
+        raise SparkConnectionError(
+            "This task's Spark conf cannot take effect: this process's Spark JVM was started by an earlier task, and a "
+            "JVM's memory, options and class path are fixed when it starts (%s). This happens when several tasks "
+            "run in one process, as under `airflow dags test`; a scheduler runs each task in a process of its own. "
+            "Give these tasks the same values (the connection's extras are one place for them), or run the tasks "
+            "separately." % "; ".join("%s is %s here, %s in the JVM" % (
+                key, _shown(conf.get(key)), _shown(launched.get(key))) for key in conflicts))
+
+
+def reuse_jvm(conf: dict[str, str], log: logging.Logger) -> None:
+    """A new SparkSession in the JVM an earlier task of this process started: the earlier task's conf is
+    cleared from the JVM's system properties (where spark-submit put it, and where every new SparkContext
+    reads its defaults), so the new session has this task's conf and nothing of the earlier one's. A key
+    the earlier task set then has Spark's own default, even where ``spark-defaults.conf`` sets it."""
+    from pyspark import SparkContext
+
+    check_jvm_conf(conf)
+    launched = _JVM_LAUNCH["conf"]
+    stale = sorted(key for key in launched if key not in conf)
+    system = SparkContext._jvm.java.lang.System
+    for key in stale:
+        system.clearProperty(key)
+    if stale:
+        log.info("Cleared the Spark conf an earlier task of this process started the JVM with (%s): this task's "
+                 "session has its own conf only.", ", ".join(stale))
+    _JVM_LAUNCH["conf"] = {key: value for key, value in launched.items() if key in conf}
+
+
+def _shown(value: str | None) -> str:
+    return "unset" if value is None else repr(value)
 
 
 class GatewayExitedError(RuntimeError):

@@ -17,7 +17,7 @@ from airflow.sdk.definitions._internal.mixins import ResolveMixin
 from airflow_provider_horovod import retry, store
 from airflow_provider_horovod.exceptions import HorovodRunError
 from airflow_provider_horovod.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsRecorder, check_progress_interval
-from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
+from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook, check_root_syntax
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.driver.restarts import AttemptRecord
@@ -132,9 +132,10 @@ class HorovodRunnerOperator(BaseOperator):
         the lost executor's standalone worker).
     :param progress_interval: seconds between two ``Horovod progress:`` lines in the task log (from
         rank 0's ``runtime.report``); defaults to ``[horovod] progress_interval`` (30).
-    :param retry_policy: Airflow's retry policy (AIP-105); by default a ``HorovodRetryPolicy``, which
-        fails at once when no retry can help (the training function raised, a payload, dataset or
-        environment error) and retries too few slots or a lost host; ``None``: Airflow's own rule
+    :param retry_policy: Airflow's retry policy (AIP-105), an instance; by default a ``HorovodRetryPolicy``,
+        which fails at once when no retry can help (the training function raised or crashed, a payload,
+        dataset or environment error, too few slots on a ``local[N]`` master) and retries too few slots or a
+        lost host, after its own delays unless the task sets ``retry_delay``; ``None``: Airflow's own rule
         (every failure retried ``retries`` times).
     """
 
@@ -184,9 +185,13 @@ class HorovodRunnerOperator(BaseOperator):
         last_call: float = DEFAULT_LAST_CALL_S,
         **kwargs: Any,
     ) -> None:
-        if "retry_policy" not in kwargs and "retry_policy" not in (kwargs.get("default_args") or {}):
+        defaults = kwargs.get("default_args") or {}
+        if "retry_policy" not in kwargs and "retry_policy" not in defaults:
             kwargs["retry_policy"] = retry.HorovodRetryPolicy()  # the task's own, even None, stays
+        retry.check_policy(kwargs.get("retry_policy", defaults.get("retry_policy")))
         super().__init__(**kwargs)
+        if ("retry_delay" in kwargs or "retry_delay" in defaults) and isinstance(self.retry_policy, retry.HorovodRetryPolicy):
+            self.retry_policy = self.retry_policy.for_task(self.retry_delay)  # the policy's delays replace Airflow's default only
         # not templated: checked when the DAG is parsed, as the engine would check them
         check_options(launcher=launcher, driver_log_verbosity=driver_log_verbosity, start_timeout=start_timeout,
                       max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline,
@@ -195,6 +200,16 @@ class HorovodRunnerOperator(BaseOperator):
         check_last_call(last_call)
         check_when_parsed(training_callable, np=np, op_args=op_args, op_kwargs=op_kwargs, resume=resume)
         check_dataset(dataset, templated=True)
+        check_kinds(training_callable, env=env)
+        if not (mlflow_conn_id is None or isinstance(mlflow_conn_id, str)):
+            raise TypeError("mlflow_conn_id must be the id of an Airflow connection (a str) or None; got %r." % (mlflow_conn_id,))
+        if not isinstance(spark_conn_id, str):
+            raise TypeError("spark_conn_id must be the id of an Airflow connection (a str); got %r." % (spark_conn_id,))
+        if not (spark_conf is None or isinstance(spark_conf, dict) or _rendered_later(spark_conf)):
+            raise TypeError("spark_conf must be a dict of Spark conf ({\"spark.executor.memory\": \"4g\"}); got %r (a %s)."
+                            % (spark_conf, type(spark_conf).__name__))
+        if isinstance(artifact_root, str) and not _rendered_later(artifact_root):
+            check_root_syntax(artifact_root)
         if dataset is not None and isinstance(np, int) and np < 0:
             raise ValueError("dataset= needs np > 0: it reaches the ranks through the barrier stage; got np=%d" % np)
         self.training_callable = training_callable
@@ -264,8 +279,10 @@ class HorovodRunnerOperator(BaseOperator):
     def _try_folder(self, context: Context) -> ObjectStoragePath:
         ti = context["ti"]
         map_index = getattr(ti, "map_index", -1)
+        root = self.hook.artifact_root(self.artifact_root)
+        self.hook.check_artifact_root(root)  # a missing extra or connection, named before anything starts
         folder = store.prepare_try(
-            self.hook.artifact_root(self.artifact_root), dag_id=ti.dag_id, run_id=ti.run_id,
+            root, dag_id=ti.dag_id, run_id=ti.run_id,
             task_id=ti.task_id, try_number=ti.try_number, map_index=map_index if isinstance(map_index, int) else -1,
         )
         self.log.info("Artifacts of this try go to %s", folder)
@@ -562,9 +579,31 @@ def check_when_parsed(training_callable: Any, *, np: Any, op_args: Any, op_kwarg
         validate_np(np)
     if not _rendered_later(resume):
         validate_resume(resume)
+    check_kinds(training_callable, op_args=op_args, op_kwargs=op_kwargs)
     args, kwargs = op_args or [], op_kwargs or {}
     if callable(training_callable) and isinstance(args, (list, tuple)) and isinstance(kwargs, dict):
         check_arguments(training_callable, tuple(args), kwargs)  # names and number only: values may be templates
+
+
+def check_kinds(training_callable: Any, *, op_args: Any = None, op_kwargs: Any = None, env: Any = None) -> None:
+    """Values of a kind that would be accepted when the DAG is parsed and fail (or mean something else) later:
+    a ``TypeError`` naming the fix. A string ``op_args`` would become one argument per character."""
+    if not (callable(training_callable) or isinstance(training_callable, str)):
+        raise TypeError("training_callable must be a function or a 'package.module:function' string; got %r (a %s)."
+                        % (training_callable, type(training_callable).__name__))
+    if not (op_args is None or isinstance(op_args, (list, tuple)) or _rendered_later(op_args)):
+        raise TypeError("op_args must be a list of positional arguments; got %r (a %s). For one argument: op_args=[value]."
+                        % (op_args, type(op_args).__name__))
+    if not (op_kwargs is None or isinstance(op_kwargs, dict) or _rendered_later(op_kwargs)):
+        raise TypeError("op_kwargs must be a dict of keyword arguments; got %r (a %s)." % (op_kwargs, type(op_kwargs).__name__))
+    if env is None or _rendered_later(env):
+        return
+    if not isinstance(env, dict):
+        raise TypeError("env must be a dict of environment variables for every rank; got %r (a %s)." % (env, type(env).__name__))
+    bad = {k: v for k, v in env.items() if not isinstance(k, str) or not (isinstance(v, str) or _rendered_later(v))}
+    if bad:
+        raise TypeError("env must map names to strings (environment values are text): fix %s, e.g. {\"OMP_NUM_THREADS\": "
+                        "\"4\"}." % ", ".join("%r: %r" % item for item in bad.items()))
 
 
 def _rendered_later(value: Any) -> bool:

@@ -4,6 +4,7 @@ when its DAG is parsed (importing this module imports nothing heavy)."""
 from __future__ import annotations
 
 import enum
+import os
 
 
 class Launcher(enum.StrEnum):
@@ -80,3 +81,28 @@ def check_last_call(last_call: object) -> float:
         raise ValueError("last_call must be a number of seconds >= 0 (how long a restart that has min_np slots waits "
                          "for the rest; 0: start at once); got %r" % (last_call,))
     return float(last_call)
+
+
+def check_engine_values(*, spark: object = None, artifact_dir: object = None, on_checkpoint: object = None,
+                        on_report: object = None) -> None:
+    """The engine's values of a kind that would be accepted now and fail later: a ``TypeError`` or
+    ``ValueError`` that names the fix, when ``HorovodRunner`` is made."""
+    for name, value in (("on_checkpoint", on_checkpoint), ("on_report", on_report)):
+        if value is not None and not callable(value):
+            raise TypeError("%s must be a function (or None); got %r (a %s). Pass the function itself, not its name "
+                            "or what it returns." % (name, value, type(value).__name__))
+    if spark is not None and not callable(getattr(spark, "createDataFrame", None)):
+        raise TypeError("spark must be a SparkSession (or None for the active one); got a %s. For a SparkContext sc, "
+                        "pass SparkSession(sc) (or SparkSession.builder.getOrCreate())." % type(spark).__name__)
+    folder = os.fspath(artifact_dir) if isinstance(artifact_dir, (str, os.PathLike)) else None
+    if isinstance(folder, str) and ("://" in folder or _url_like(folder)):
+        raise ValueError("artifact_dir=%r: the engine's artifact_dir is a local folder (an absolute or relative path), "
+                         "not a URL. For an object store, run the task with HorovodRunnerOperator's artifact_root "
+                         "(s3://conn@bucket/prefix), or copy artifact_dir there after run()." % (folder,))
+
+
+def _url_like(text: str) -> bool:
+    """``s3:/bucket``, ``gs:bucket``: a scheme with fewer than two slashes, which a path would keep as a folder ``s3:``."""
+    import re
+
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:(?!//)", text) is not None

@@ -165,9 +165,22 @@ def test_keras_digits_example_restarts_from_its_checkpoint_in_the_same_try_and_r
     assert airflow.xcom("horovod_keras_digits", "evaluate")["accuracy"] >= 0.90
 
 
-def test_reference_string_operator_and_task_horovod_decorator(airflow):
-    proc = airflow.dags_test("hvd_test_tasks")
-    assert proc.returncode == 0, explain(proc)
+@pytest.fixture(scope="module")
+def tasks_run(airflow) -> subprocess.CompletedProcess:
+    """One ``airflow dags test hvd_test_tasks`` for the tests that read its tasks."""
+    return airflow.dags_test("hvd_test_tasks")
+
+
+POLICY_TASKS = {"slots_on_a_local_master": ("failed", 1), "crashes_by_itself": ("failed", 1),
+                "killed_then_retried": ("success", 2)}
+
+
+def test_reference_string_operator_and_task_horovod_decorator(airflow, tasks_run):
+    proc = tasks_run
+    states = airflow.task_states("hvd_test_tasks")
+    assert {task: state for task, state in states.items() if task not in POLICY_TASKS} == {
+        task: ("success", 1) for task in ("by_reference", "decorated", "unrolled", "ddp", "torch_by_reference")
+    }, explain(proc)
     by_reference = airflow.xcom("hvd_test_tasks", "by_reference")
     assert by_reference["result"] == 2  # runtime.size() on rank 0 of np="{{ params.ranks }}" = 2 ranks
     assert (by_reference["np"], by_reference["launcher"]) == (2, "gloo")
@@ -192,6 +205,29 @@ def test_reference_string_operator_and_task_horovod_decorator(airflow):
     assert "[rank 1] torch all_reduce sum 3.0" in proc.stdout + proc.stderr
     torch_by_reference = airflow.xcom("hvd_test_tasks", "torch_by_reference")
     assert (torch_by_reference["result"], torch_by_reference["launcher"]) == (2, "torch")
+
+
+def test_the_default_retry_policy_decides_as_its_table_says_under_dags_test(airflow, tasks_run):
+    """Too few slots on local[2] and a rank's own SIGABRT fail at once with retries left; a rank SIGKILLed is
+    retried after the task's own retry_delay (2 s), not the policy's 30 s."""
+    output = tasks_run.stdout + tasks_run.stderr
+    states = airflow.task_states("hvd_test_tasks")
+    assert {task: states.get(task) for task in POLICY_TASKS} == POLICY_TASKS, explain(tasks_run)
+    assert re.search(r"Not retried \(no retry fixes it\): the cluster's barrier slots cannot grow \(FixedSlotsError: "
+                     r"np=3 needs 3 barrier slots, but the cluster has 2", output), explain(tasks_run)
+    assert re.search(r"Not retried \(user code\): rank 1 on \S+ was killed by SIGABRT, a signal of its own: a crash",
+                     output), explain(tasks_run)
+    assert "Retried after the task's retry_delay (2 s) if retries are left (lost infrastructure): rank 1" in output
+    assert airflow.xcom("hvd_test_tasks", "killed_then_retried") == {"try": 2}
+    [(first_end,)] = airflow.query(
+        "SELECT end_date FROM task_instance_history WHERE dag_id = ? AND task_id = ? AND run_id = ? AND try_number = 1",
+        "hvd_test_tasks", "killed_then_retried", airflow.last_run_id("hvd_test_tasks"))
+    [(second_start,)] = airflow.query("SELECT start_date FROM task_instance WHERE dag_id = ? AND task_id = ? AND run_id = ?",
+                                      "hvd_test_tasks", "killed_then_retried", airflow.last_run_id("hvd_test_tasks"))
+    from datetime import datetime
+
+    waited = (datetime.fromisoformat(str(second_start)) - datetime.fromisoformat(str(first_end))).total_seconds()
+    assert 2 <= waited < 30, waited  # the task's retry_delay, not the policy's lost_delay
 
 
 # The first try's version 4, where the retry test's store fails (and nowhere else), and what the error says:

@@ -48,6 +48,20 @@ print("CHECKED")
     assert "CHECKED" in out
 
 
+def test_how_to_torch_function_runs_with_the_engine_as_written(tmp_path):
+    """Section 10's torchrun-style function with the engine's np < 0 line, as printed (two ranks on the driver:
+    no Spark start; np = 2 on Spark runs the same function in test_torch_launcher.py)."""
+    function, engine = section_code(HOW_TO, "10.")[:2]
+    [local_line] = [line for line in engine.splitlines() if line.startswith("HorovodRunner(-2")]
+    checks = """
+result = %s
+assert result["epochs"] == 1 and isinstance(result["loss"], float), result
+print("CHECKED")
+""" % local_line.split("#")[0].strip()
+    out = _run_script(tmp_path, function + "\nfrom airflow_provider_horovod import HorovodRunner\n" + checks)
+    assert "CHECKED" in out
+
+
 def test_the_migration_pages_mnist_notebook_runs_with_only_the_import_changed_and_keeps_its_model(
         tmp_path, monkeypatch):
     """np < 0 with log_callback_only, as sparkdl's local mode: every rank's prints still show. The model

@@ -37,9 +37,15 @@ bag = DagBag(dag_folder=sys.argv[1])
 from fastapi.testclient import TestClient
 from airflow.api_fastapi.app import create_app
 page = TestClient(create_app()).get("/horovod/dags/horovod_digits_train/runs/r1/tasks/train")
+from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
+try:  # an s3:// root without the [s3] extra
+    HorovodRunnerHook.check_artifact_root("s3://aws_default@bucket/horovod")
+    s3 = "accepted"
+except Exception as err:
+    s3 = "%s: %s" % (type(err).__name__, err)
 print(json.dumps({"absent": [m for m in ("torch", "horovod", "tensorflow") if importlib.util.find_spec(m) is None],
                   "dags": sorted(bag.dag_ids), "errors": {k: str(v) for k, v in bag.import_errors.items()},
-                  "page": [page.status_code, page.text]}))
+                  "page": [page.status_code, page.text], "s3": s3}))
 """
 
 
@@ -78,6 +84,9 @@ def test_the_light_install_parses_dags_serves_the_view_and_a_job_fails_before_sp
     assert seen["dags"] == ["horovod_digits_retrain", "horovod_digits_train", "horovod_keras_digits"]
     status, text = seen["page"]
     assert status == 200 and "<title>Horovod · horovod_digits_train / train</title>" in text
+    assert seen["s3"].startswith("ArtifactError: The artifact root s3://aws_default@bucket/horovod needs a file system "
+                                 "for s3://, which is not installed"), seen["s3"]
+    assert 'pip install "airflow-provider-horovod[s3]"' in seen["s3"]
 
     run = subprocess.run([str(light_venv / "airflow"), "dags", "test", "hvd_test_tasks"], env=env, capture_output=True,
                          text=True, timeout=300)

@@ -550,7 +550,8 @@ def test_executor_without_the_package_fails_with_one_line_naming_host_interprete
 
 def test_hook_session_on_a_local_master_gives_the_executors_the_driver_interpreter(tmp_path):
     """No PYSPARK_PYTHON anywhere: the executors would run ``python3`` from the PATH, which lacks the package.
-    And the next task of the process with other Spark conf gets a session with its own conf."""
+    And the next task of the process with other Spark conf gets a session with its own conf, nothing of the
+    first task's (which started the JVM); conf only a new JVM could apply is refused, naming it."""
     import json
     import os
     import subprocess
@@ -564,9 +565,14 @@ def test_hook_session_on_a_local_master_gives_the_executors_the_driver_interpret
     proc = subprocess.run([sys.executable, str(scenario), "spark_local", str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert json.loads(out.read_text()) == {"rank_python": sys.executable, "conf": sys.executable, "next_task": {
-        "fresh": True, "first_stopped": True, "conf": "7", "reused_when_the_same": True}}
+    got = json.loads(out.read_text())
+    refused = got["next_task"].pop("jvm_conf")
+    assert got == {"rank_python": sys.executable, "conf": sys.executable, "next_task": {
+        "fresh": True, "first_stopped": True, "conf": None, "reused_when_the_same": True}}  # not the first task's 7
     assert "has other Spark conf (spark.task.maxFailures): stopping it and starting this task's own" in proc.stderr + proc.stdout
+    assert refused.startswith("SparkConnectionError: This task's Spark conf cannot take effect: this process's Spark "
+                              "JVM was started by an earlier task"), refused
+    assert "spark.driver.memory is '3g' here, unset in the JVM" in refused and "airflow dags test" in refused
 
 
 

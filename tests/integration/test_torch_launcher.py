@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_provider_horovod import HorovodRunError, HorovodRunner, RunCancelledError
+from airflow_provider_horovod import HorovodRunError, HorovodRunner, RunCancelledError, WrongLauncherError
 from tests.conftest import wait_no_run_processes
 from tests.integration import torch_jobs
 from tests.integration.test_runner import run_folders_left, train_in_background
@@ -93,6 +93,17 @@ def test_cancel_mid_torch_training_interrupts_the_job_and_leaves_no_process(spar
 def test_timeline_is_refused_under_torch_when_the_runner_is_made():
     with pytest.raises(ValueError, match="runs no Horovod"):
         HorovodRunner(2, launcher="torch", timeline=True)
+
+
+def test_hvd_init_kept_under_the_torch_launcher_fails_the_run_naming_the_fix():
+    """Every rank would be a Horovod world of one (nothing averaged, a "success"): the rank's hvd.init()
+    raises instead. np < 0: the same rank process as on Spark, without a barrier stage."""
+    with pytest.raises(HorovodRunError) as info:
+        HorovodRunner(-2, launcher="torch").run(torch_jobs.horovod_job_kept_under_torch)
+    err = info.value
+    assert type(err).__name__ == "WrongLauncherError" and isinstance(err, WrongLauncherError), type(err).__mro__
+    assert 'hvd.init() was called in a rank started with launcher="torch"' in str(err)
+    assert 'launcher="gloo" or launcher="mpirun"' in str(err)
 
 
 def _environment_without_horovod(tmp_path: Path) -> Path:

@@ -146,3 +146,12 @@ def fsdp_job(steps: int = 3):
     dist.all_gather_object(seen, {"full": {k: round(v.sum().item(), 6) for k, v in full.items()}, "local": local})
     dist.destroy_process_group()
     return seen
+
+
+def horovod_job_kept_under_torch():
+    """Horovod code, as it runs under launcher="gloo"/"mpirun", given to launcher="torch" unchanged."""
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    return hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()

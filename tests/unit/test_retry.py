@@ -59,6 +59,16 @@ def test_payload_dataset_environment_and_keras_3_errors_fail_at_once(error):
     assert str(error).split("\n")[0] in decision.reason
 
 
+def test_too_few_slots_on_a_local_master_fails_at_once_since_its_slots_cannot_grow():
+    from airflow_provider_horovod.exceptions import FixedSlotsError
+
+    error = FixedSlotsError("np=3 needs 3 barrier slots, but the cluster has 2 (the master local[2])")
+    decision = HorovodRetryPolicy().evaluate(error, try_number=1, max_tries=3)
+    assert decision.action == RetryAction.FAIL
+    assert decision.reason.startswith("Not retried (no retry fixes it): the cluster's barrier slots cannot grow "
+                                      "(FixedSlotsError: np=3 needs 3 barrier slots")
+
+
 def test_too_few_slots_is_retried_after_the_slots_delay():
     error = InsufficientSlotsError("np=4 needs 4 barrier slots, but the cluster has 2")
     decision = HorovodRetryPolicy(slots_delay=timedelta(minutes=7)).evaluate(error, try_number=1, max_tries=3)
@@ -76,6 +86,30 @@ def test_a_lost_host_or_a_rank_killed_by_a_signal_is_retried_after_the_lost_dela
     decision = HorovodRetryPolicy(lost_delay=12).evaluate(_run_error(failure), try_number=1, max_tries=3)
     assert (decision.action, decision.retry_delay) == (RetryAction.RETRY, timedelta(seconds=12))
     assert "(lost infrastructure)" in decision.reason
+
+
+@pytest.mark.parametrize("signal_name", ["SIGABRT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL"])
+def test_a_rank_killed_by_a_signal_of_its_own_is_a_crash_and_fails_at_once(signal_name):
+    crashed = Failure("Rank 1 died", rank=1, host="hvdhost1", executor="2", exit="was killed by %s" % signal_name)
+    decision = HorovodRetryPolicy().evaluate(_run_error(crashed), try_number=1, max_tries=3)
+    assert decision.action == RetryAction.FAIL
+    assert decision.reason.startswith("Not retried (user code): rank 1 on hvdhost1 was killed by %s, a signal of its "
+                                      "own: a crash" % signal_name)
+
+
+def test_a_task_s_own_retry_delay_replaces_the_policy_s_default_delays_but_not_ones_it_was_given():
+    lost = _run_error(Failure("Rank 1 died", rank=1, exit="was killed by SIGKILL"))
+    slots = InsufficientSlotsError("np=4 needs 4 barrier slots")
+    task_own = HorovodRetryPolicy().for_task(timedelta(seconds=2))
+    for error in (lost, slots):  # None: Airflow's own delay, the task's retry_delay (and its backoff)
+        decision = task_own.evaluate(error, try_number=1, max_tries=3)
+        assert (decision.action, decision.retry_delay) == (RetryAction.RETRY, None)
+        assert decision.reason.startswith("Retried after the task's retry_delay (2 s) if retries are left")
+    given = HorovodRetryPolicy(lost_delay=7).for_task(timedelta(seconds=2))
+    assert given.evaluate(lost, 1, 3).retry_delay == timedelta(seconds=7)
+    assert given.evaluate(slots, 1, 3).retry_delay is None
+    assert HorovodRetryPolicy(lost_delay=0).evaluate(lost, 1, 3).retry_delay == timedelta(0)  # 0 is a delay too
+    assert HorovodRetryPolicy.deserialize(json.loads(json.dumps(given.serialize()))) == given
 
 
 def test_a_stall_with_an_unresponsive_rank_is_retried_and_one_stuck_in_user_code_fails_at_once():
@@ -130,7 +164,8 @@ def test_the_policy_serializes_to_json_and_back_with_its_fallback():
     assert HorovodRetryPolicy.deserialize(HorovodRetryPolicy().serialize()) == HorovodRetryPolicy()
 
 
-@pytest.mark.parametrize("kwargs", [{"slots_delay": -1}, {"lost_delay": "soon"}, {"fallback": "retry"}])
+@pytest.mark.parametrize("kwargs", [{"slots_delay": -1}, {"lost_delay": "soon"}, {"fallback": "retry"},
+                                    {"fallback": ExceptionRetryPolicy}])
 def test_bad_policy_arguments_are_refused(kwargs):
     with pytest.raises((ValueError, TypeError)):
         HorovodRetryPolicy(**kwargs)
@@ -157,3 +192,48 @@ def test_the_operator_and_the_decorator_use_the_policy_unless_the_task_gives_one
     with DAG("retry_policies_defaults", schedule=None, default_args={"retry_policy": own}):
         from_defaults = HorovodRunnerOperator(task_id="t", training_callable="m:f")
     assert from_defaults.retry_policy is own
+
+
+@pytest.mark.parametrize("policy", [HorovodRetryPolicy, ExceptionRetryPolicy, "horovod", lambda e: None])
+def test_a_retry_policy_that_is_not_an_instance_is_refused_when_the_dag_is_parsed(policy):
+    from airflow.sdk import DAG
+
+    from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
+
+    with DAG("bad_retry_policy", schedule=None), pytest.raises(TypeError) as info:
+        HorovodRunnerOperator(task_id="t", training_callable="m:f", retry_policy=policy)
+    if isinstance(policy, type):
+        assert "retry_policy=%s is a class; give an instance: retry_policy=%s()" % (policy.__name__, policy.__name__) \
+            in str(info.value)
+    else:
+        assert "retry_policy must be an Airflow RetryPolicy instance" in str(info.value)
+    with DAG("bad_retry_policy_defaults", schedule=None, default_args={"retry_policy": HorovodRetryPolicy}), \
+            pytest.raises(TypeError, match="is a class"):
+        HorovodRunnerOperator(task_id="t", training_callable="m:f")
+
+
+def test_a_task_that_sets_retry_delay_keeps_it_under_the_default_policy():
+    from airflow.sdk import DAG, task
+
+    from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
+
+    with DAG("retry_delays", schedule=None):
+        own = HorovodRunnerOperator(task_id="own", training_callable="m:f", retry_delay=timedelta(seconds=2))
+        airflows_default = HorovodRunnerOperator(task_id="airflows_default", training_callable="m:f")
+        given = HorovodRunnerOperator(task_id="given", training_callable="m:f", retry_delay=timedelta(seconds=2),
+                                      retry_policy=HorovodRetryPolicy(lost_delay=9))
+
+        @task.horovod(np=2, retry_delay=3)
+        def decorated():
+            return 1
+
+        decorated_op = decorated().operator
+    with DAG("retry_delays_defaults", schedule=None, default_args={"retry_delay": timedelta(seconds=4)}):
+        from_defaults = HorovodRunnerOperator(task_id="t", training_callable="m:f")
+    assert own.retry_policy.task_retry_delay == timedelta(seconds=2) and own.retry_policy.delay_for(Cause.LOST) is None
+    assert airflows_default.retry_policy == HorovodRetryPolicy()
+    assert airflows_default.retry_policy.delay_for(Cause.LOST) == timedelta(seconds=30)
+    assert given.retry_policy.delay_for(Cause.LOST) == timedelta(seconds=9)
+    assert given.retry_policy.delay_for(Cause.SLOTS) is None
+    assert decorated_op.retry_policy.task_retry_delay == timedelta(seconds=3)
+    assert from_defaults.retry_policy.task_retry_delay == timedelta(seconds=4)

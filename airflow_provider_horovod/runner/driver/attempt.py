@@ -30,6 +30,7 @@ import cloudpickle
 from airflow_provider_horovod.exceptions import (
     ClusterSettingsError,
     ExecutorMismatchError,
+    FixedSlotsError,
     HorovodRunError,
     InsufficientSlotsError,
     RunCancelledError,
@@ -384,7 +385,7 @@ class Attempt:
             return
         master = _master(spark)
         if fixed_slots(master):
-            raise InsufficientSlotsError(
+            raise FixedSlotsError(
                 "np=%d needs %d barrier slots, but the cluster has %d (the master %s), and no executor can join a "
                 "local master: waiting start_timeout=%gs would not help. Lower np to %d or less, or give the master "
                 "more cores (local[%d], in the connection's host or the session's master)." % (

@@ -45,6 +45,7 @@ from airflow_provider_horovod.runner.options import (
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_START_TIMEOUT_S,
     Launcher,
+    check_engine_values,
     check_last_call,
     check_options,
     check_restarts,
@@ -160,6 +161,7 @@ class HorovodRunner:
             raise ValueError("env must map str to str; fix %s" % ", ".join(map(repr, bad)))
         check_dataset(dataset)
         check_restarts(max_restarts, min_np, np)
+        check_engine_values(spark=spark, artifact_dir=artifact_dir, on_checkpoint=on_checkpoint, on_report=on_report)
         if dataset is not None and np < 0:
             raise ValueError("dataset= needs np > 0: the dataset reaches the ranks through the barrier stage, and "
                              "np < 0 runs no Spark job. Use np > 0 (local[N] Spark runs on this machine too).")

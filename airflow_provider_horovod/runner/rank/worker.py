@@ -242,11 +242,12 @@ def main() -> int:
     slot = task = client = pump = None
     try:
         slot, task, client, pump = _setup(rank)
-        from airflow_provider_horovod.runner.rank import keras_guard
+        from airflow_provider_horovod.runner.rank import horovod_guard, keras_guard
         from airflow_provider_horovod.runner.names import ENV_PAYLOAD
         from airflow_provider_horovod.runner.payload import load_payload
 
         keras_guard.install()  # before unpickling can import horovod.tensorflow.keras
+        horovod_guard.install()  # launcher="torch": hvd.init() would make a world of one
         _before_main()
         fn, args, kwargs = load_payload(Path(os.environ[ENV_PAYLOAD]).read_bytes())
         result = fn(*args, **kwargs)

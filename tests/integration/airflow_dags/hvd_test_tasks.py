@@ -1,6 +1,8 @@
 """Test DAG: HorovodRunnerOperator with a reference string and a templated np; @task.horovod with a
-result that is not JSON-serializable; both under launcher="torch"; @task.horovod whose first try fails after four checkpoints; a
-job killed with its task; bad input; the engine's limits set on the operator; the default retry policy."""
+result that is not JSON-serializable; both under launcher="torch"; the default retry policy's decisions (too few
+slots on a local master, a rank's own crash, a rank killed and retried after the task's retry_delay);
+@task.horovod whose first try fails after four checkpoints; a job killed with its task; bad input; the engine's
+limits set on the operator."""
 
 from __future__ import annotations
 
@@ -67,6 +69,41 @@ def hvd_test_tasks():
         np=2,
         launcher="torch",
     )
+
+    # The default retry policy's decisions, each with retries left (retry_delay=0: a wrong retry shows at once)
+    @task.horovod(np=3, retries=1, retry_delay=datetime.timedelta(seconds=0))
+    def slots_on_a_local_master():
+        """np=3 on the embedded local[2]: the slots cannot grow, so no retry."""
+        return 3
+
+    slots_on_a_local_master()
+
+    @task.horovod(np=2, launcher="gloo", retries=1, retry_delay=datetime.timedelta(seconds=0), max_restarts=1)
+    def crashes_by_itself():
+        """Rank 1 aborts (SIGABRT, a signal of its own): a crash, neither restarted nor retried."""
+        import os
+
+        from airflow_provider_horovod import runtime
+
+        if runtime.rank() == 1:
+            os.abort()
+        return "rank 0 done"
+
+    crashes_by_itself()
+
+    @task.horovod(np=2, launcher="gloo", retries=1, retry_delay=datetime.timedelta(seconds=2), max_restarts=0)
+    def killed_then_retried(try_number: str):
+        """Try 1: rank 1 is SIGKILLed (as by the OOM killer): lost, retried after the task's own retry_delay."""
+        import os
+        import signal
+
+        from airflow_provider_horovod import runtime
+
+        if try_number == "1" and runtime.rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"try": int(try_number)}
+
+    killed_then_retried("{{ ti.try_number }}")
 
 
 @dag(schedule=None, start_date=pendulum.datetime(2025, 1, 1, tz="UTC"), catchup=False)

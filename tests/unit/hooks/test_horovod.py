@@ -162,6 +162,62 @@ def test_a_relative_artifact_root_lies_under_airflow_home_not_the_workers_curren
     assert HorovodRunnerHook.configured_roots("view_extra_roots") == [str(airflow_home / "old"), "s3://bucket/x"]
 
 
+@pytest.mark.parametrize(("root", "fix"), [
+    ("s3:/bucket/x", "s3://bucket/x"),
+    ("s3:bucket/x", "s3://bucket/x"),
+    ("file:/data/horovod", "file:///data/horovod"),
+    ("gs:/team-bucket", "gs://team-bucket"),
+])
+def test_an_artifact_root_with_a_scheme_and_one_slash_is_refused_naming_the_url_it_meant(root, fix, monkeypatch):
+    """As it was, ``s3:/bucket/x`` trained into a local folder named ``s3:`` under AIRFLOW_HOME."""
+    from airflow_provider_horovod.exceptions import ArtifactError
+
+    with pytest.raises(ArtifactError) as info:
+        HorovodRunnerHook.artifact_root(root)
+    assert "%r is not a URL: a scheme needs two slashes (%s)" % (root, fix) in str(info.value)
+    monkeypatch.setenv("AIRFLOW__HOROVOD__ARTIFACT_ROOT", root)
+    with pytest.raises(ArtifactError, match="is not a URL"):
+        HorovodRunnerHook.artifact_root(None)  # the configured default too
+
+
+def test_a_malformed_artifact_root_is_refused_when_the_dag_is_parsed():
+    from airflow.sdk import DAG
+
+    from airflow_provider_horovod.exceptions import ArtifactError
+    from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
+
+    with DAG("bad_root", schedule=None):
+        with pytest.raises(ArtifactError, match=re.escape("'s3:/bucket/x' is not a URL")):
+            HorovodRunnerOperator(task_id="t", training_callable="m:f", artifact_root="s3:/bucket/x")
+        HorovodRunnerOperator(task_id="templated", training_callable="m:f", artifact_root="{{ params.root }}")
+
+
+def test_an_artifact_root_naming_an_undefined_connection_is_refused_naming_it(monkeypatch):
+    """Before, the write probe ran without credentials and failed after seconds, blamed on the endpoint or IAM."""
+    from airflow_provider_horovod.exceptions import ArtifactError
+
+    monkeypatch.delenv("AIRFLOW_CONN_NO_SUCH_AWS", raising=False)
+    with pytest.raises(ArtifactError) as info:
+        HorovodRunnerHook.check_artifact_root("s3://no_such_aws@bucket/horovod")
+    message = str(info.value)
+    assert "names the Airflow connection 'no_such_aws', which is not defined here" in message
+    assert "AIRFLOW_CONN_NO_SUCH_AWS" in message and "No Spark was started" in message
+    conn(monkeypatch, "some_aws", conn_type="aws", login="key", password="s3cr3t")
+    HorovodRunnerHook.check_artifact_root("s3://some_aws@bucket/horovod")  # defined: fine
+    HorovodRunnerHook.check_artifact_root("s3://bucket/horovod")  # none named: the provider's default chain
+    HorovodRunnerHook.check_artifact_root("/data/horovod")
+    HorovodRunnerHook.check_artifact_root("file:///data/horovod")
+
+
+def test_an_artifact_root_whose_scheme_no_file_system_serves_is_refused_naming_the_fix():
+    from airflow_provider_horovod.exceptions import ArtifactError
+
+    with pytest.raises(ArtifactError) as info:
+        HorovodRunnerHook.check_artifact_root("sx3://bucket/horovod")
+    assert "needs a file system for sx3://, which is not installed" in str(info.value)
+    assert "Check the scheme's spelling" in str(info.value)
+
+
 def test_the_jvms_output_is_logged_at_its_log4j_level_not_as_errors(tmp_path):
     """The Spark JVM writes log4j lines to stderr; the task log must show a WARN as a warning."""
     import logging
@@ -420,3 +476,16 @@ def test_a_spark_submit_that_exits_names_the_connection_its_master_and_what_it_p
     assert printed in said and advice.startswith(fix)
     assert ("airflow connections delete spark_default" in advice) == (conn_id == DEFAULT_YARN)
     assert not got["jvm"]
+
+
+def test_only_conf_a_new_jvm_would_apply_conflicts_with_the_jvm_an_earlier_task_started():
+    from airflow_provider_horovod.hooks.horovod import launch_conflicts
+
+    launched = {"spark.master": "local[2]", "spark.driver.memory": "2g", "spark.task.maxFailures": "7"}
+    assert launch_conflicts({"spark.master": "local[2]", "spark.driver.memory": "2g"}, launched) == []
+    assert launch_conflicts({"spark.driver.memory": "2g", "spark.dynamicAllocation.enabled": "true"}, launched) == []
+    assert launch_conflicts({"spark.driver.memory": "4g"}, launched) == ["spark.driver.memory"]
+    assert launch_conflicts({}, launched) == ["spark.driver.memory"]  # unset here: the JVM keeps its 2g
+    assert launch_conflicts({"spark.driver.memory": "2g", "spark.jars.packages": "org:a:1",
+                             "spark.driver.extraJavaOptions": "-Dx=1"}, launched) == [
+        "spark.driver.extraJavaOptions", "spark.jars.packages"]

@@ -55,6 +55,29 @@ def test_engine_options_are_checked_when_the_dag_is_parsed(option, value, messag
         HorovodRunnerOperator(task_id="t", training_callable=train, **{option: value})
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"training_callable": 42}, "training_callable must be a function or a 'package.module:function' string"),
+    ({"op_args": "lr"}, "op_args must be a list of positional arguments; got 'lr' (a str). For one argument: op_args=[value]"),
+    ({"op_kwargs": [("lr", 0.1)]}, "op_kwargs must be a dict of keyword arguments"),
+    ({"env": {"OMP_NUM_THREADS": 4}}, "env must map names to strings (environment values are text): fix 'OMP_NUM_THREADS': 4"),
+    ({"env": "OMP_NUM_THREADS=4"}, "env must be a dict of environment variables for every rank"),
+    ({"mlflow_conn_id": {"host": "x"}}, "mlflow_conn_id must be the id of an Airflow connection"),
+    ({"spark_conn_id": None}, "spark_conn_id must be the id of an Airflow connection (a str); got None"),
+    ({"spark_conf": [("spark.executor.memory", "4g")]}, "spark_conf must be a dict of Spark conf"),
+])
+def test_a_value_of_the_wrong_kind_is_refused_when_the_dag_is_parsed_not_when_it_runs(kwargs, message):
+    """Each was accepted before: a str op_args became one argument per character, a non-str env value failed
+    only after the SparkSession had started."""
+    with pytest.raises(TypeError) as info:
+        HorovodRunnerOperator(task_id="t", **{"training_callable": train, "op_args": [0.1], **kwargs})
+    assert message in str(info.value)
+
+
+def test_templated_values_are_left_to_be_checked_after_rendering():
+    HorovodRunnerOperator(task_id="t", training_callable=train, op_args="{{ params.args }}",
+                          env={"RUN": "{{ run_id }}", "DAY": "{{ ds }}"})
+
+
 class RecordingTaskInstance:
     """What ``execute`` needs of a task instance before anything starts: its keys and ``xcom_push``."""
 

@@ -7,6 +7,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from airflow_provider_horovod import HorovodRunner, runtime
 from airflow_provider_horovod.runner import names
 from airflow_provider_horovod.runner.rank import preemption
@@ -27,6 +29,21 @@ def test_a_notice_to_the_task_reaches_every_rank_of_it_and_the_callback_runs_onc
     preemption.announce(tmp_path)  # a second notice changes nothing
     assert called.wait(5) and runtime.preempting() is True
     assert calls == ["hvdrunner-preemption"]
+
+
+@pytest.mark.parametrize(("callback", "says"), [
+    ("save", "Pass the function itself: runtime.on_preemption(save), not runtime.on_preemption(\"save\")"),
+    (None, "needs a function to call with no arguments"),
+    (lambda step: None, "the callback is called with no arguments, but missing a required argument: 'step'"),
+])
+def test_a_callback_that_cannot_be_called_is_refused_at_the_call_not_when_a_notice_comes(callback, says, monkeypatch,
+                                                                                       tmp_path):
+    monkeypatch.setenv(names.ENV_TASK_DIR, str(tmp_path))
+    before = threading.active_count()
+    with pytest.raises(TypeError) as info:
+        runtime.on_preemption(callback)
+    assert says in str(info.value)
+    assert threading.active_count() == before  # no watch was started
 
 
 def test_a_watch_stopped_before_any_notice_never_calls(monkeypatch, tmp_path):

@@ -30,3 +30,27 @@ def test_env_values_must_be_strings():
 def test_start_timeout_must_be_a_positive_number(start_timeout):
     with pytest.raises(ValueError, match="start_timeout must be a positive number of seconds"):
         HorovodRunner(2, start_timeout=start_timeout)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"on_report": "print"}, TypeError, "on_report must be a function (or None); got 'print' (a str)"),
+    ({"on_checkpoint": 3}, TypeError, "on_checkpoint must be a function (or None)"),
+    ({"spark": "local[2]"}, TypeError, "spark must be a SparkSession (or None for the active one); got a str"),
+    ({"artifact_dir": "s3://bucket/run-1"}, ValueError, "the engine's artifact_dir is a local folder"),
+    ({"artifact_dir": "s3:/bucket/run-1"}, ValueError, "the engine's artifact_dir is a local folder"),
+])
+def test_engine_values_of_the_wrong_kind_are_refused_when_the_runner_is_made(kwargs, error, message):
+    """Each was accepted before and failed only when a report or a checkpoint came, when the job started, or
+    never (a folder named ``s3:``)."""
+    with pytest.raises(error) as info:
+        HorovodRunner(2, **kwargs)
+    assert message in str(info.value)
+
+
+def test_a_spark_context_is_refused_naming_the_session_to_pass_instead():
+    class SparkContextLike:  # what matters: no createDataFrame, as a SparkContext
+        def range(self, n):
+            return n
+
+    with pytest.raises(TypeError, match=r"For a SparkContext sc, pass SparkSession\(sc\)"):
+        HorovodRunner(2, spark=SparkContextLike())

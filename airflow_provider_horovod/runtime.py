@@ -164,8 +164,8 @@ def commit_checkpoint(step: int | None = None, **metrics: float) -> None:
     """Rank 0: the checkpoint folder as it is now is one consistent version; ship and commit it in
     the background (training goes on at once). Once an attempt has called this, only its calls make
     versions: call it after every save (a save no call takes within 30 s is named in a warning; the
-    commit rule of docs/runtime.md). ``step`` and ``metrics`` go into the version's marker; they follow ``report()``'s
-    rules (an int >= 0, finite numbers), checked at the call on every rank: ``TypeError`` or
+    commit rule of docs/runtime.md). ``step`` and ``metrics`` go into the version's marker; they
+    follow ``report()``'s rules (an int >= 0, finite numbers), checked at the call on every rank: ``TypeError`` or
     ``ValueError`` says what to pass. Other ranks: nothing else happens. An empty checkpoint folder
     is no version: the call warns and does nothing."""
     import time

@@ -4,6 +4,8 @@ tests/integration/test_restarts.py and tests/integration/test_cluster.py."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from airflow_provider_horovod import HorovodRunner
@@ -15,6 +17,7 @@ from airflow_provider_horovod.runner.driver.restarts import (
     attempts_text,
     ending_of,
 )
+from airflow_provider_horovod.runner.driver.capacity import can_grow, worker_decommissioned
 from airflow_provider_horovod.runner.driver.supervisor import Supervisor
 from airflow_provider_horovod.runner.events import Failure, JobEnded, RankFailed, TaskLost
 from airflow_provider_horovod.runner.options import check_restarts
@@ -147,3 +150,18 @@ def test_bad_restart_options_are_refused_when_the_runner_is_made(max_restarts, m
         check_restarts(max_restarts, min_np, np)
     with pytest.raises(ValueError, match=words):
         HorovodRunner(np, max_restarts=max_restarts, min_np=min_np)
+
+
+class _Session:
+    """What ``capacity`` reads of a session: its master (YARN and Kubernetes cannot run here)."""
+
+    def __init__(self, master: str) -> None:
+        self.sparkContext = types.SimpleNamespace(master=master)
+
+
+def test_the_missing_slots_cannot_come_on_a_local_master_nor_from_a_standalone_worker_spark_decommissioned():
+    assert not can_grow(_Session("local[2]"), [])
+    assert can_grow(_Session("spark://127.0.0.1:7077"), [])  # a worker that died without notice may come back
+    assert not can_grow(_Session("spark://127.0.0.1:7077"), ["3"])  # its worker decommissioned with executor 3
+    assert can_grow(_Session("yarn"), ["3"]) and can_grow(_Session("k8s://https://api:6443"), ["3"])  # new nodes
+    assert not worker_decommissioned(_Session("spark://127.0.0.1:7077"), "3")  # a session that cannot say: no

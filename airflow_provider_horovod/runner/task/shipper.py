@@ -164,13 +164,13 @@ def uncommitted_warning(files: list[str], waited_s: float | None, newest_step: i
     newest = "the version committed at step %s" % newest_step if newest_step is not None else "its newest version"
     if waited_s is None:
         when, then = ("and the attempt ends without a runtime.commit_checkpoint() call after it",
-                      "only the attempt's final hand-over (checkpoints/) brings it back, and a restart resumes from %s"
+                      "only the attempt's final hand-over (checkpoints/) brings it back; a restart resumes from %s"
                       % newest)
     else:
         when, then = ("%.0f s ago and has not called runtime.commit_checkpoint() since" % waited_s,
                       "a restart or a retry resumes from %s" % newest)
     return ("WARNING: rank 0 saved %s in runtime.checkpoint_dir() %s. This run calls commit_checkpoint(), so only its "
-            "calls make checkpoint versions: no version holds this save, and %s. Call runtime.commit_checkpoint() "
+            "calls make checkpoint versions and no version holds this save: %s. Call runtime.commit_checkpoint() "
             "after each save (docs/runtime.md, the commit rule)." % (shown, when, then))
 
 

@@ -120,7 +120,7 @@ def test_a_save_no_commit_checkpoint_takes_in_a_run_that_calls_it_is_named_in_a_
     (text,) = said
     assert text.startswith("WARNING: rank 0 saved step.txt in runtime.checkpoint_dir() 1 s ago and has not called "
                            "runtime.commit_checkpoint() since. This run calls commit_checkpoint(), so only its calls "
-                           "make checkpoint versions: no version holds this save, and a restart or a retry resumes "
+                           "make checkpoint versions and no version holds this save: a restart or a retry resumes "
                            "from the version committed at step 0. Call runtime.commit_checkpoint() after each save")
     assert [v.step for v in r.committed()][-1:] == [0]
 

@@ -205,7 +205,7 @@ def test_restarts_are_on_by_default_in_the_operator_and_min_np_is_templated_and_
     assert op.last_call == 30.0  # a restart with min_np slots waits this long for the rest
 
 
-def test_task_horovod_passes_its_last_call_on_to_the_engine():
+def test_task_horovod_takes_a_last_call_for_its_restarts():
     with DAG("d", schedule=None) as dag:
 
         @task.horovod(np=4, min_np=2, last_call=5)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from airflow_provider_horovod.exceptions import (
     ArtifactError,
+    ArtifactSettingsError,
     ClusterSettingsError,
     DatasetError,
     ExecutorMismatchError,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactError",
+    "ArtifactSettingsError",
     "ClusterSettingsError",
     "DatasetError",
     "ExecutorMismatchError",

@@ -113,6 +113,12 @@ class ArtifactError(RuntimeError):
         super().__init__(message)
 
 
+class ArtifactSettingsError(ArtifactError):
+    """The artifact root or an id the store names folders by cannot be used as given (a malformed URL, a
+    file system that is not installed, an undefined connection, a ``run_id`` of ``..``): the same value
+    fails every try, so the retry policy fails it at once. Raised before Spark starts."""
+
+
 def provider_class_name(err: BaseException) -> str | None:
     """The name of the nearest class of this module in ``err``'s ancestry, or ``None`` (a user's
     own exception). A rank sends it with its failure, so the driver can raise the same type."""
@@ -143,3 +149,9 @@ class DatasetError(ValueError):
     """The ``dataset=`` of a run cannot be trained on (no such table, a query that does not parse,
     too few rows, a column type no adapter takes), or ``runtime.dataset()`` was called in a run
     without one. Raised before any rank starts; the message names the fix."""
+
+
+class TorchStoreError(HorovodRunError):
+    """Under ``launcher="torch"``, rank 0 could not serve torch.distributed's store on the socket its
+    task holds, or a rank could not reach that store (``runner/launchers/torch.py``). The message
+    names the address and what was wrong."""

@@ -7,6 +7,7 @@ on disk, and only the first and the newest report are held; the file stays withi
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ COMMIT_INTERVAL_S = 5.0  # how often metrics.jsonl is committed to the store whi
 # (at most ~8 KiB: 64 metrics), so ~12 hours of reports fit; beyond that the rows are thinned
 # evenly, never cut off at the end.
 MAX_BYTES = 16 << 20
+MAX_DURATION_S = 10000 * 3600  # longer is shown as "over 10000h"
 
 
 def check_progress_interval(value: Any) -> float:
@@ -32,7 +34,12 @@ def check_progress_interval(value: Any) -> float:
 
 
 def duration_text(seconds: float) -> str:
-    """``48s``, ``1m48s``, ``2h03m``."""
+    """``48s``, ``1m48s``, ``2h03m``; total: ``-`` for what is no duration (negative, infinite, NaN)
+    and ``over 10000h`` for what no training lasts."""
+    if not 0 <= seconds < float("inf"):
+        return "-"
+    if seconds >= MAX_DURATION_S:
+        return "over %dh" % (MAX_DURATION_S // 3600)
     seconds = int(round(seconds))
     if seconds < 60:
         return "%ds" % seconds
@@ -45,7 +52,8 @@ def rate(first: Report, newest: Report) -> float | None:
     """Steps per second between two reports; ``None`` without two steps some time apart."""
     if first.step is None or newest.step is None or newest.time <= first.time or newest.step <= first.step:
         return None
-    return (newest.step - first.step) / (newest.time - first.time)
+    speed = (newest.step - first.step) / (newest.time - first.time)
+    return speed if math.isfinite(speed) else None  # steps over a subnormal time apart: no rate
 
 
 def progress_line(first: Report, newest: Report) -> str:

@@ -11,7 +11,10 @@ the training function raised (a rank's own exception)  fail now: the next try ra
 ``PayloadError``, ``DatasetError``,                    fail now: a retry ships the same callable,
 ``TrainingStackError``, ``ExecutorMismatchError``      reads the same data, finds the same
 (environment or version mismatch),                     executors and settings
-``ClusterSettingsError``, ``Keras3NotSupportedError``
+``ClusterSettingsError``, ``Keras3NotSupportedError``,
+``ArtifactSettingsError`` (a malformed artifact root,
+a missing file system or connection, a ``run_id``
+of ``..``)
 ``FixedSlotsError`` (too few slots on a ``local[N]``   fail now: no executor can join a local
 master)                                                master, the next try finds the same slots
 ``InsufficientSlotsError`` (too few slots)             retry after ``slots_delay`` (5 min)
@@ -47,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk.definitions.retry_policy import RetryAction, RetryDecision, RetryPolicy
 
 from airflow_provider_horovod.exceptions import (
+    ArtifactSettingsError,
     ClusterSettingsError,
     DatasetError,
     ExecutorMismatchError,
@@ -82,6 +86,7 @@ _NEVER_FIXED: tuple[tuple[type[BaseException], str], ...] = (
     (ExecutorMismatchError, "an executor's environment differs from the driver's"),
     (ClusterSettingsError, "the Spark settings cannot run a barrier stage"),
     (FixedSlotsError, "the cluster's barrier slots cannot grow"),
+    (ArtifactSettingsError, "the artifact root or the run's ids cannot be used as given"),
 )
 
 

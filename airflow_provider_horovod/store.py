@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from airflow_provider_horovod.exceptions import ArtifactError
+from airflow_provider_horovod.exceptions import ArtifactError, ArtifactSettingsError
 from airflow_provider_horovod.runner import records
 from airflow_provider_horovod.runner.records import (
     CHECKPOINTS,
@@ -58,6 +58,8 @@ MARKER = TRY_MARKER
 TryStatus = records.TryStatus
 TIMELINE = records.TIMELINE
 RESULT_FILE = RESULT
+MAX_ID_CHARS = 512
+_ID_RULE = "not empty, not . or .., no /, \\ or NUL, at most %d characters" % MAX_ID_CHARS
 TRY_FOLDER = re.compile(r"^try-([1-9][0-9]{0,6})$")
 log = logging.getLogger(__name__)
 LOCAL_PROTOCOLS = ("file", "local", "")
@@ -78,9 +80,21 @@ def storage_path(uri: Any) -> Any:
 
 
 def task_folder(root: Any, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> Any:
-    """``<root>/<dag_id>/<run_id>/<task_id>[/map-<i>]``: every try of one task instance."""
-    folder = storage_path(root) / dag_id / run_id / task_id
+    """``<root>/<dag_id>/<run_id>/<task_id>[/map-<i>]``: every try of one task instance; an
+    ``ArtifactSettingsError`` for an id that is not one folder of that layout (``check_id``)."""
+    folder = storage_path(root) / check_id(dag_id, "dag_id") / check_id(run_id, "run_id") / check_id(task_id, "task_id")
     return folder / ("map-%d" % map_index) if map_index >= 0 else folder
+
+
+def check_id(value: str, what: str) -> str:
+    """``value`` if it names one folder below its parent: ``.`` and ``..`` are allowed by Airflow's
+    default run_id pattern but would put a run's artifacts outside its DAG's folder, where the view
+    cannot show them (issue 49); a separator or NUL would go deeper. The view asks the same."""
+    if not value or value in (".", "..") or any(c in value for c in "/\\\x00") or len(value) > MAX_ID_CHARS:
+        raise ArtifactSettingsError(
+            "The %s %r cannot name a folder of the artifact store (%s): trigger the run with another run_id (the "
+            "Trigger form's or the REST API's dag_run_id), or rename the DAG or task." % (what, value, _ID_RULE))
+    return value
 
 
 def try_folder(task: Any, try_number: int) -> Any:

@@ -27,7 +27,7 @@ from urllib.parse import quote, urlsplit
 from airflow.sdk import BaseHook, ObjectStoragePath
 
 from airflow_provider_horovod import store
-from airflow_provider_horovod.exceptions import ArtifactError
+from airflow_provider_horovod.exceptions import ArtifactError, ArtifactSettingsError
 from airflow_provider_horovod.runner.messages import TransferError, safe_relative
 from airflow_provider_horovod.runner.driver.executors import python_conf
 from airflow_provider_horovod.runner.options import Launcher
@@ -89,14 +89,14 @@ FILESYSTEM_MODULES = {"s3": ("s3fs",), "gs": ("gcsfs",), "gcs": ("gcsfs",), "abf
 
 
 def check_root_syntax(root: str, what: str = "artifact_root") -> None:
-    """A root that looks like a URL must be one (``scheme://...``); ``ArtifactError`` naming the fix otherwise.
+    """A root that looks like a URL must be one (``scheme://...``); ``ArtifactSettingsError`` naming the fix otherwise.
     A pure check: it runs when a DAG is parsed too."""
     found = MALFORMED_ROOT.match(root.strip())
     if found is None or len(found.group(1)) < 2:  # "C:..." is no scheme this provider knows either, but a path
         return
     scheme, rest = found.group(1), root.strip()[found.end():].lstrip("/")
     meant = ("%s:///%s" if scheme.lower() in LOCAL_SCHEMES else "%s://%s") % (scheme, rest)
-    raise ArtifactError(
+    raise ArtifactSettingsError(
         "%s %r is not a URL: a scheme needs two slashes (%s), and as it is the artifacts would go to a local "
         "folder named %r. Write %s, or an absolute path (/data/horovod) for a local folder."
         % (what, root, meant, scheme + ":", meant))
@@ -453,7 +453,7 @@ class HorovodRunnerHook(BaseHook):
     @classmethod
     def check_artifact_root(cls, root: str) -> None:
         """Before Spark starts: ``root``'s file system is installed and the connection it names is defined;
-        else an ``ArtifactError`` that names the missing extra or connection (instead of a write probe that
+        else an ``ArtifactSettingsError`` that names the missing extra or connection (instead of a write probe that
         fails seconds later and reads like an endpoint or IAM problem)."""
         check_root_syntax(root)
         parts = urlsplit(root) if "://" in root else None
@@ -465,7 +465,7 @@ class HorovodRunnerHook(BaseHook):
         missing = [module for module in FILESYSTEM_MODULES.get(parts.scheme, ())
                    if importlib.util.find_spec(module) is None]
         if not has_fs(parts.scheme) or missing:
-            raise ArtifactError(
+            raise ArtifactSettingsError(
                 "The artifact root %s needs a file system for %s://, which is not installed in this Airflow worker's "
                 "Python%s. %s No Spark was started." % (
                     _without_password(root), parts.scheme, " (%s cannot be imported)" % ", ".join(missing) if missing else "",
@@ -482,7 +482,7 @@ class HorovodRunnerHook(BaseHook):
         try:
             BaseHook.get_connection(conn_id)
         except AirflowNotFoundException:
-            raise ArtifactError(
+            raise ArtifactSettingsError(
                 "The artifact root %s names the Airflow connection %r, which is not defined here. Define it (e.g. "
                 "airflow connections add %s --conn-type aws ..., or AIRFLOW_CONN_%s in the worker's environment) or "
                 "fix the name in the URL (scheme://<conn_id>@<bucket>/<prefix>). No Spark was started."

@@ -23,6 +23,7 @@ import stat
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from airflow_provider_horovod import store
+from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.runner import records
 from airflow_provider_horovod.runner import timeline as hvd_timeline
 from airflow_provider_horovod.runner.transfer import OPEN_FILE, open_below
@@ -44,10 +45,11 @@ class NotFound(LookupError):
 
 
 def component(value: str, what: str) -> str:
-    """``value`` if it is a single, harmless path component."""
-    if not value or value in (".", "..") or any(c in value for c in "/\\\x00") or len(value) > 512:
-        raise BadRequest("%s %r is not a valid Airflow id" % (what, value))
-    return value
+    """``value`` if it is a single, harmless path component (the rule the store writes by, ``store.check_id``)."""
+    try:
+        return store.check_id(value, what)
+    except ArtifactError:
+        raise BadRequest("%s %r is not a valid Airflow id" % (what, value)) from None
 
 
 def roots() -> list[str]:

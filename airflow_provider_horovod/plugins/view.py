@@ -18,6 +18,7 @@ that DAG's task instances (else 403). Then :mod:`.store` decides what may be rea
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -121,14 +122,19 @@ def _progress(t: Try, *, running: bool) -> dict[str, Any]:
         first, newest = (Report.from_json({**row, "metrics": {}}) for row in (rows[0], rows[-1]))
     except ProtocolError:  # a row without a time or with a bad step: charts only
         return out
-    speed = rate(first, newest)
-    out["elapsed_s"] = round(newest.time - first.time, 1)
-    out["elapsed"] = duration_text(out["elapsed_s"])  # the page shows durations as the task log does
-    out["steps_per_s"] = round(speed, 2) if speed else None
+    speed = rate(first, newest)  # finite or None; report times are bounded (messages.MAX_TIME)
+    out["elapsed_s"] = _finite(newest.time - first.time, 1)
+    out["elapsed"] = duration_text(newest.time - first.time)  # the page shows durations as the task log does
+    out["steps_per_s"] = _finite(speed, 2) if speed else None
     if speed and newest.total_steps and newest.step is not None and running:
-        out["eta_s"] = round(max(0, newest.total_steps - newest.step) / speed, 1)
-        out["eta"] = duration_text(out["eta_s"])
+        eta = max(0, newest.total_steps - newest.step) / speed
+        out["eta_s"], out["eta"] = _finite(eta, 1), duration_text(eta)
     return out
+
+
+def _finite(value: float | None, digits: int) -> float | None:
+    """``value`` rounded, or ``None`` where it is no finite number (JSON has none: a 500 otherwise)."""
+    return round(value, digits) if value is not None and math.isfinite(value) else None
 
 
 @router.get("/tries/{try_number}/timeline.svg")

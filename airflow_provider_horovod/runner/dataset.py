@@ -32,13 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.exceptions import DatasetError
+from airflow_provider_horovod.runner.dataset_sql import check_on_spark
 
 # A table name: ``name``, ``db.name``, ``catalog.db.name``, parts optionally in backticks
 # (``parquet.`/data/events``` reads files with no catalog). Anything else is Spark SQL.
 TABLE_NAME = re.compile(r"(?:\w+|`[^`]+`)(?:\.(?:\w+|`[^`]+`))*")
-# A query is read-only Spark SQL: it starts with one of QUERY_STARTS and names none of QUERY_NEVER outside
-# string literals, backquoted names and comments (``check_query``). Anything else is refused before
-# Spark sees it: ``spark.sql`` runs a command (CREATE, INSERT, DROP, ...) at once.
+# A query is read-only Spark SQL. At DAG parse time (no Spark) the text is filtered early: it starts with
+# one of QUERY_STARTS and names none of QUERY_NEVER outside string literals, backquoted names and comments
+# (``check_query``). The decision is Spark's own parse of it, before ``spark.sql`` runs anything (a command
+# such as CREATE, INSERT or DROP runs at once): ``dataset_sql.check_on_spark`` (issue 49, T4-14).
 QUERY_STARTS = ("SELECT", "WITH", "FROM", "VALUES", "TABLE")
 QUERY_NEVER = ("INSERT", "UPDATE", "DELETE", "MERGE", "REFLECT", "JAVA_METHOD", "TRY_REFLECT")  # writes; Java calls
 _SQL_TOKEN = re.compile(r"""[rR]'[^']*'|[rR]"[^"]*"|'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|`[^`]*`|--[^\n]*|/\*.*?\*/"""
@@ -133,6 +135,8 @@ def resolve(spark: Any, dataset: Any) -> Any:
     try:
         if isinstance(dataset, str):
             text = dataset.strip()
+            if not is_table_name(text):
+                check_on_spark(spark, text)  # the decision: Spark's own parse (runner/dataset_sql.py)
             df = spark.table(text) if is_table_name(text) else spark.sql(text)
         elif _is_dataframe(dataset):
             df = dataset

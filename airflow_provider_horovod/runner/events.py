@@ -8,10 +8,17 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from airflow_provider_horovod.exceptions import ArtifactError, DatasetError, Keras3NotSupportedError, PayloadError
 from airflow_provider_horovod.runner.options import Launcher
 
 if TYPE_CHECKING:  # the operator and the store read run reports without importing Horovod
     from airflow_provider_horovod.runner.plan import TaskFacts
+
+
+# The provider's exceptions a rank raises (runtime, payload, Keras guard, dataset shard): the only
+# ``error_class`` a rank's report may name. The others decide retries and restarts (InsufficientSlotsError
+# is retried, StallError is the driver's): a rank claiming one is a plain failure of its own.
+RANK_ERROR_CLASSES = frozenset(c.__name__ for c in (PayloadError, Keras3NotSupportedError, DatasetError, ArtifactError))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +72,25 @@ class Failure:
         """This failure follows from another: the rank was stopped by the runner, or Horovod shut
         down under it because a peer went away (Horovod's own words for that)."""
         return self.consequence or (self.exception or "").startswith("HorovodInternalError")
+
+    def told_by_rank(self, rank: int, *, when: float | None = None) -> Failure:
+        """What a rank's own report may say (issue 49, T5-3): its exception (text, traceback and the
+        provider class it is of, when a rank raises that class: ``RANK_ERROR_CLASSES``) and its last
+        lines, as rank ``rank`` (who sent it, from its key or its file). Where it ran, how its process
+        ended, a loss, a stall or a stop are facts for the task and the driver, from the plan and the
+        operating system (``placed``, the task's ``exit``): never taken from the rank."""
+        exception = self.exception or "the rank's report named no exception: %s" % self.message
+        return Failure(message="Rank %d failed: %s" % (rank, exception), rank=rank, exception=exception,
+                       error_class=self.error_class if self.error_class in RANK_ERROR_CLASSES else None,
+                       traceback=self.traceback, tail=self.tail, time=time.time() if when is None else when)
+
+    def placed(self, host: str, executor: str) -> Failure:
+        """This rank's failure where the plan put the rank: ``Rank 1 on host h (executor 2) failed: ...``."""
+        prefix = "Rank %s failed" % self.rank
+        message = self.message
+        if message.startswith(prefix):
+            message = "Rank %s on host %s (executor %s) failed%s" % (self.rank, host, executor, message[len(prefix):])
+        return dataclasses.replace(self, host=host, executor=executor, message=message)
 
     def with_tail(self, tail: list[str] | tuple[str, ...]) -> Failure:
         return self if self.tail or not tail else dataclasses.replace(self, tail=tuple(tail))

@@ -533,6 +533,7 @@ class OrtedExited:
 MAX_METRICS = 64  # names per report: a report is a handful of numbers, never a tensor's worth
 MAX_NAME_CHARS = 100
 MAX_COUNT = 2**63 - 1  # a step: what MLflow (int64) and every JSON reader take
+MAX_TIME = 253402300799.0  # a report's time, seconds since the epoch: 9999-12-31 23:59:59 UTC, what datetime takes
 
 
 @message("report")
@@ -549,8 +550,8 @@ class Report(Message):
     @classmethod
     def make(cls, time: float, step: Any, total_steps: Any, metrics: Mapping[str, Any]) -> Report:
         """A report from what training code passed; ``TypeError``/``ValueError`` that says what to pass."""
-        if not math.isfinite(float(time)):
-            raise ValueError("a report's time must be a finite number of seconds; got %r" % (time,))
+        if not 0.0 <= float(time) <= MAX_TIME:  # NaN fails too; any two times are a finite duration apart
+            raise ValueError("a report's time must be seconds since the epoch, from 0 to %r; got %r" % (MAX_TIME, time))
         return cls(time=float(time), step=_count("step", step), total_steps=_count("total_steps", total_steps),
                    metrics=_numbers(metrics))
 

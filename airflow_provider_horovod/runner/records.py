@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import enum
 import json
+import math
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -223,15 +224,18 @@ class MetricsRow:
         value = _object(value, "a metrics row")
         if not isinstance(value.get("values"), Mapping):
             raise ValueError("a metrics row without values")
-        return cls(time=float(value.get("time") or 0.0), step=_optional_int(value.get("step")),
-                   total_steps=_optional_int(value.get("total_steps")), values=dict(value["values"]))
+        row = cls(time=float(value.get("time") or 0.0), step=_optional_int(value.get("step")),
+                  total_steps=_optional_int(value.get("total_steps")), values=dict(value["values"]))
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (row.time, *row.values.values())):
+            raise ValueError("a metrics row whose time or values are not finite numbers")  # JSON has no Infinity
+        return row
 
     @classmethod
     def from_line(cls, line: str | bytes) -> MetricsRow | None:
         """The row on ``line``; ``None`` for a line that is not one (cut by a commit elsewhere, not ours)."""
         try:
             return cls.from_json(json.loads(line))
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, OverflowError):  # OverflowError: a step of Infinity
             return None
 
 

@@ -28,6 +28,10 @@ from airflow_provider_horovod.runner.records import VERSION_MARKER, VERSIONS, La
 log = logging.getLogger(__name__)
 
 DEFAULT_KEEP = 2
+MARKER_TMP = ".%s.tmp" % VERSION_MARKER  # the marker is written here first, then renamed
+# No file or folder of a checkpoint may take either name: a file would be the marker, a folder would
+# make every version's commit fail (``Is a directory``), finding T4-7 of issue 49.
+RESERVED_NAMES = frozenset({VERSION_MARKER, MARKER_TMP})
 
 
 def check_keep(keep: Any) -> int:
@@ -65,7 +69,7 @@ def commit_version(artifact_dir: Path, received: Path, manifest: dict[str, int],
             _link_or_copy(source, target, move=rel in sent)
         version = Version(seq=seq, step=step, time=time.time(), size=sum(manifest.values()),
                           files=tuple(sorted(manifest.items())), sent=tuple(sorted(sent)), metrics=metrics)
-        marker = building / (".%s.tmp" % VERSION_MARKER)  # a file of its own: never one a link shares
+        marker = building / MARKER_TMP  # a file of its own: never one a link shares
         marker.write_text(json.dumps(version.to_json(), indent=1))
         os.replace(marker, building / VERSION_MARKER)
         os.rename(building, Layout(artifact_dir).version(seq))
@@ -154,11 +158,13 @@ class VersionSink:
         for name, size in value.items():
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise ValueError("file %r has no byte count" % (name,))
-            rel = safe_relative(name).as_posix()
-            if rel == VERSION_MARKER:
-                raise ValueError("the checkpoint folder holds a file named %s, the name the runner keeps for a "
-                                 "version's marker; rename that file" % VERSION_MARKER)
-            manifest[rel] = size
+            rel = safe_relative(name)
+            reserved = RESERVED_NAMES.intersection(rel.parts)
+            if reserved:
+                raise ValueError("the checkpoint folder holds %s, named %s: the runner keeps the names %s for a "
+                                 "version's marker, as a file or a folder at any depth; rename that file or folder"
+                                 % (rel.as_posix(), min(reserved), " and ".join(sorted(RESERVED_NAMES))))
+            manifest[rel.as_posix()] = size
         if sum(manifest.values()) > self.limits.max_bytes:
             raise ValueError("the version is larger than %d bytes (max_artifact_bytes)" % self.limits.max_bytes)
         return manifest

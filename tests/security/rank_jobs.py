@@ -19,3 +19,24 @@ def forged_failure_job(how: str = "raise"):
 def environment_job():
     """The environment a rank was started with."""
     return dict(os.environ)
+
+
+def torch_store_job(folder: str, wait_s: float = 120.0):
+    """Every rank joins torch's process group; rank 0 writes ``MASTER_PORT`` to ``folder/port``; all
+    wait until ``folder/probed`` exists (the test has attacked the store), then meet once more."""
+    import time
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        Path(folder, "port").write_text(os.environ["MASTER_PORT"])
+    deadline = time.monotonic() + wait_s
+    while not Path(folder, "probed").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return int(total.item())

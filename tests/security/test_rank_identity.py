@@ -71,4 +71,4 @@ def test_a_malformed_failure_report_still_gives_a_verdict():
     cause = sup.cause  # the review: AttributeError ('int' object has no attribute 'startswith')
     assert isinstance(events[0], RankFailed)
     assert (cause.rank, cause.exception, cause.message, cause.tail, cause.consequence) == \
-        (0, "5", "['not', 'text']", ("7",), False)
+        (0, "5", "Rank 0 failed: 5", ("7",), False)  # a rank's message is the driver's words for its exception

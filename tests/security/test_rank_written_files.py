@@ -12,12 +12,12 @@ import tracemalloc
 import pytest
 
 from airflow_provider_horovod import runtime, store
-from airflow_provider_horovod.metrics import MetricsRecorder
+from airflow_provider_horovod.metrics import MetricsRecorder, duration_text
 from airflow_provider_horovod.plugins import store as view_store
 from airflow_provider_horovod.plugins import view
 from airflow_provider_horovod.runner import records
 from airflow_provider_horovod.runner.driver.artifact_dir import commit
-from airflow_provider_horovod.runner.messages import PutVersion, Report
+from airflow_provider_horovod.runner.messages import MAX_TIME, PutVersion, Report
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.versions import VersionSink
 from airflow_provider_horovod.runner.wire import ProtocolError
@@ -60,6 +60,45 @@ def test_the_metrics_history_stays_within_its_bound_spread_over_the_whole_try(tm
     assert len(gaps) <= 2  # evenly thinned (the stride doubled as the file filled), not cut off
 
 
+def test_report_times_outside_the_calendar_are_refused_at_the_call_and_on_the_channel():
+    """Issue 49 (T4-6 again): -1e308 then 1e308 were finite, so accepted, and 2e308 apart."""
+    for when in (-1e308, 1e308, -1.0, MAX_TIME * 2):
+        with pytest.raises(ValueError, match="seconds since the epoch"):
+            Report.make(when, 1, None, {})
+        with pytest.raises(ProtocolError):
+            Report.from_json({"time": when, "step": 1, "metrics": {}})
+    assert Report.from_json({"time": 0.0, "step": 1, "metrics": {}}).time == 0.0
+
+
+@pytest.mark.parametrize("rows", [
+    [(-1e308, 1), (1e308, 2)],  # the review's pair (a store written before the bound)
+    [(0.0, 0), (5e-324, 2**63 - 1)],  # within the bound: 2**63 steps in no time at all
+    [(0.0, 0), (MAX_TIME, 1)],  # one step over eight thousand years
+    ['Infinity', 1], [1.0, 'Infinity'], [1.0, 2.0, 'NaN'],  # lines no driver writes: JSON has no such numbers
+])
+def test_the_views_progress_answers_whatever_reports_the_store_holds(tmp_path, rows):
+    """Every duration the view shows is total: no metrics file makes the metrics route answer 500."""
+    from fastapi.responses import JSONResponse
+
+    lines = []
+    for row in rows:
+        if isinstance(row, tuple):
+            lines.append(json.dumps({"time": row[0], "step": row[1], "total_steps": 2**63 - 1, "values": {"loss": 1.0}}))
+        else:
+            lines.append('{"time": %s, "step": %s, "total_steps": 9, "values": {"loss": %s}}' % (row, row, row))
+    (tmp_path / store.METRICS).write_text("\n".join(lines) + "\n")
+    one_try = view_store.Try(1, store.storage_path(str(tmp_path)), None)
+    progress = view._progress(one_try, running=True)
+    JSONResponse({"tries": [progress]})  # what the route answers: json.dumps(allow_nan=False) raised ValueError
+    assert isinstance(progress["elapsed"], (str, type(None))) and isinstance(progress["eta"], (str, type(None)))
+
+
+@pytest.mark.parametrize("seconds, text", [(float("inf"), "-"), (float("nan"), "-"), (-5.0, "-"), (1e308, "over 10000h"),
+                                           (108.0, "1m48s")])
+def test_every_duration_text_is_total(seconds, text):
+    assert duration_text(seconds) == text
+
+
 # -- T4-7: a version's marker is the runner's, never a user's file --------------------------------------
 def test_a_checkpoint_file_named_like_the_version_marker_is_refused_and_said(tmp_path):
     sink = VersionSink(tmp_path, keep=5, limits=Limits())
@@ -70,6 +109,23 @@ def test_a_checkpoint_file_named_like_the_version_marker_is_refused_and_said(tmp
                       ["model.pt", records.VERSION_MARKER])
     assert "rename that file" in why and records.VERSION_MARKER in why
     assert records.Layout(tmp_path).committed_versions() == []
+
+
+@pytest.mark.parametrize("rel", [records.VERSION_MARKER + "/weights.pt", "sub/%s/weights.pt" % records.VERSION_MARKER,
+                                 ".%s.tmp" % records.VERSION_MARKER, "sub/.%s.tmp/weights.pt" % records.VERSION_MARKER])
+def test_the_marker_s_names_are_refused_as_any_folder_or_file_of_a_checkpoint_and_later_versions_commit(tmp_path, rel):
+    """Issue 49 (T4-7 again): a *folder* named ``_VERSION.json`` passed the name check, then every
+    version failed to commit with ``[Errno 21] Is a directory``; the marker's temporary name too."""
+    sink = VersionSink(tmp_path, keep=5, limits=Limits())
+    staging = sink.fresh_staging()
+    (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+    (staging / rel).write_bytes(b"w")
+    why = sink.commit(PutVersion(step=1, metrics={}, manifest={rel: 1}), [rel])
+    assert why is not None and "rename that file or folder" in why and rel in why
+    staging = sink.fresh_staging()
+    (staging / "model.pt").write_bytes(b"w")
+    assert sink.commit(PutVersion(step=2, metrics={}, manifest={"model.pt": 1}), ["model.pt"]) is None
+    assert [v.step for v, _ in records.Layout(tmp_path).committed_versions()] == [2]
 
 
 # -- T4-10: rank 0 cannot replace the driver's files; one huge line costs nothing ---------------------

@@ -9,6 +9,7 @@ import pytest
 from airflow.sdk import ExceptionRetryPolicy, RetryAction, RetryRule
 
 from airflow_provider_horovod.exceptions import (
+    ArtifactSettingsError,
     ClusterSettingsError,
     DatasetError,
     ExecutorMismatchError,
@@ -51,6 +52,8 @@ def test_an_exception_of_the_training_function_fails_at_once_naming_it_and_its_r
     ClusterSettingsError("Spark dynamic allocation is enabled"),
     rank_error("Keras3NotSupportedError", "Rank 0 failed: Keras 3", rank=0),
     rank_error("DatasetError", "runtime.dataset() in a run without dataset=", rank=0),
+    ArtifactSettingsError("artifact_root 's3:/bucket/x' is not a URL"),
+    ArtifactSettingsError("The run_id '..' cannot name a folder of the artifact store"),
 ])
 def test_payload_dataset_environment_and_keras_3_errors_fail_at_once(error):
     decision = HorovodRetryPolicy().evaluate(error, try_number=1, max_tries=3)

@@ -88,7 +88,8 @@ def _in_thread(name: str, work: Callable[[], Any], events: queue.Queue) -> threa
         try:
             value = work()
         except BaseException as err:  # noqa: BLE001 - the supervisor decides what it means
-            events.put(JobEnded(error=err, failure=parse_failure(str(err))))
+            failure = err.failure if isinstance(err, TaskFailure) else parse_failure(str(err))  # np < 0: as raised
+            events.put(JobEnded(error=err, failure=failure))
         else:
             events.put(JobEnded(value=value))
 

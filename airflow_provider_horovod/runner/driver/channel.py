@@ -175,6 +175,7 @@ class Channel:
         self._versions = versions
         self._reports = ReportGate(on_report) if on_report is not None else None
         self._rank_conns: collections.Counter[str] = collections.Counter()
+        self._ranks_failed: set[int] = set()  # ranks whose failure report came: one each (issue 49)
         self._events_sent = 0  # events the tasks sent (at most MAX_EVENTS are recorded)
         self._keys = wire.server_keys(secret, wire.ROLE_TASK, ranks=True)
         self._run_id = run_id
@@ -329,6 +330,8 @@ class Channel:
                     # a transfer connection: never sent orders (only tasks' own connections are)
                     conn.sock.settimeout(TRANSFER_TIMEOUT_S)
                     self._serve_transfer(conn, msg)
+                elif isinstance(msg, messages.Error):
+                    self._failed(msg.failure, rank)
                 else:
                     self._handle(msg)
         except wire.AuthenticationError as err:
@@ -373,8 +376,6 @@ class Channel:
                     if not self._tails.get(int(rank)):
                         self._tails[int(rank)].extend(lines)
             self._emit(events.TaskFinished(msg.partition, msg.failure))
-        elif isinstance(msg, messages.Error):
-            self._emit(events.RankFailed(msg.failure))
         elif isinstance(msg, messages.Event):
             self._record_sent(msg)
             if msg.kind == "terminating" and self._on_terminating is not None:
@@ -385,6 +386,18 @@ class Channel:
             self._emit(events.RankBeat(msg.rank, msg.pid, msg.host, msg.idle_s, msg.where, msg.stacks, msg.done))
         elif isinstance(msg, messages.RankStates):
             self._emit(events.RanksInspected({int(r): s for r, s in msg.states.items() if r.isdigit() and isinstance(s, dict)}))
+
+    def _failed(self, failure: events.Failure, rank: int | None) -> None:
+        """A failure report: a task's as it says (the task reads the plan and the OS); a rank's as a
+        rank may tell it (``Failure.told_by_rank``), and one per rank: a rank that sends another is
+        hung up on, so its reports cannot pile up on the driver until its task is stopped."""
+        if rank is not None:
+            with self._lock:
+                if rank in self._ranks_failed:
+                    raise wire.ProtocolError("rank %d sent a second failure report; a rank fails once" % rank)
+                self._ranks_failed.add(rank)
+            failure = failure.told_by_rank(rank)
+        self._emit(events.RankFailed(failure))
 
     def _report(self, report: Report) -> None:
         """Rank 0's report goes on, at most one an interval (``ReportGate``); the rank's own

@@ -89,6 +89,7 @@ def task_entry(spec: bytes, marker: str, run: str, found: tuple[str, ...] = FOUN
     imported, text, needs = IMPORTED, MISSING_TEXT, needs_text(found)
 
     def task(batches: Iterable[Any]) -> Iterable[Any]:
+        import base64
         import importlib
         import importlib.util
         import json
@@ -105,8 +106,9 @@ def task_entry(spec: bytes, marker: str, run: str, found: tuple[str, ...] = FOUN
             host = socket.gethostname()
             python = "%s (Python %s)" % (sys.executable, platform.python_version())
             message = text % (host, python, err.name or "a module", err, needs)
-            raise RuntimeError(marker + json.dumps({"message": message, "host": host, "error_class": "ExecutorMismatchError",
-                                                    "exception": "%s: %s" % (type(err).__name__, err)}) + marker) from None
+            raw = {"message": message, "host": host, "error_class": "ExecutorMismatchError",
+                   "exception": "%s: %s" % (type(err).__name__, err)}  # as barrier.failure_blob writes it
+            raise RuntimeError(marker + base64.b64encode(json.dumps(raw).encode()).decode() + marker) from None
         yield from getattr(modules[0], run)(spec, batches)
 
     return task

@@ -194,7 +194,7 @@ class Supervisor:
                 return [SendStart()]
             return []
         if isinstance(event, RankFailed):
-            return self._on_failure(event.failure, now)
+            return self._on_failure(self._placed(event.failure), now)
         if isinstance(event, TaskLost):
             if event.partition in self.finished:
                 return []
@@ -241,7 +241,7 @@ class Supervisor:
         if isinstance(event, TaskLost) and event.partition not in self.finished:
             self.failures.append(self._lost(event.partition))
         elif isinstance(event, (RankFailed, TaskFinished)) and event.failure is not None:
-            self.failures.append(event.failure)
+            self.failures.append(self._placed(event.failure))
         if any(not f.secondary for f in self.failures):
             self.phase = Phase.ENDED
         return []
@@ -270,6 +270,15 @@ class Supervisor:
         where = "" if executor is None else " on %s(executor %s)" % ("host %s " % host if host else "", executor)
         return Failure("The barrier task of partition %d%s died: its Python worker, its executor or that machine "
                        "is gone." % (partition, where), host=host, executor=executor, lost=True)
+
+    def _placed(self, failure: Failure) -> Failure:
+        """A rank's failure with the host and executor the plan gave that rank: a rank's report says
+        nothing of where it ran (``Failure.told_by_rank``), and a stall's names the host the rank's
+        beats gave (issue 49)."""
+        if failure.rank is None or self.plan is None:
+            return failure
+        slot = next((s for s in self.plan.slots if s.rank == failure.rank), None)
+        return failure if slot is None else failure.placed(slot.hostname, slot.executor)
 
     def _on_failure(self, failure: Failure, now: float) -> list[Action]:
         self.failures.append(failure)
@@ -309,7 +318,8 @@ class Supervisor:
                 and len(self._facts) < self.np:
             return self._stop("timeout", now)
         if self.phase == Phase.RUNNING and self.stalls.due(now):
-            return self._on_failure(self.stalls.verdict(now), now)  # its stacks came with the beats: now stop
+            # its stacks came with the beats: now stop, naming the plan's host
+            return self._on_failure(self._placed(self.stalls.verdict(now)), now)
         if self.phase == Phase.STOPPING and self._cut_at is None and self._stop_at is not None:
             if now >= self._cut_off_time():
                 self._cut_at = now

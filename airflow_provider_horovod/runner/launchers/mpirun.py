@@ -468,7 +468,7 @@ def mpirun_failure(plan: Plan, code: int, task: TaskDir, *, stopping: bool) -> F
     agent = tail(task.rsh_log, 30)
     launcher_output = tuple(said + (["-- orted on this host:"] + orted if orted else [])
                             + (["-- the rsh agent:"] + agent if agent else []))
-    reports = [f for f in (read_error_file(TaskDir(s.task_dir), s.rank) for s in plan.slots) if f is not None]
+    reports = [f for f in (read_error_file(s) for s in plan.slots) if f is not None]
     if reports:
         first = min(reports, key=lambda f: f.time)
         return dataclasses.replace(first, launcher_output=launcher_output, consequence=stopping)

@@ -12,6 +12,8 @@ The launcher's ``start_local`` runs the ranks on the driver for ``np < 0`` (``ru
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import dataclasses
 import json
@@ -146,9 +148,13 @@ def where(slot: Slot | None) -> str:
     return "Rank %d on host %s (executor %s)" % (slot.rank, slot.hostname, slot.executor)
 
 
-def read_error_file(task: TaskDir, rank: int) -> Failure | None:
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        return Failure.from_json(json.loads(task.error(rank).read_text()))
+def read_error_file(slot: Slot) -> Failure | None:
+    """The failure report the rank of ``slot`` wrote, as a rank may tell it (``Failure.told_by_rank``):
+    where it ran is the plan's, when is the file's (the OS's), how it ended is its exit's (the caller's)."""
+    path = TaskDir(slot.task_dir).error(slot.rank)
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+        told = Failure.from_json(json.loads(path.read_text())).told_by_rank(slot.rank, when=path.stat().st_mtime)
+        return told.placed(slot.hostname, slot.executor)
     return None
 
 
@@ -156,7 +162,7 @@ def rank_exit_failure(slot: Slot, code: int, *, stopping: bool) -> Failure:
     """Why the rank of ``slot`` ended with ``code``: its own report, or one made from its exit.
     ``stopping``: this host ended it (the driver said stop), so it is not a cause of its own."""
     task = TaskDir(slot.task_dir)
-    own = read_error_file(task, slot.rank)
+    own = read_error_file(slot)
     if own is not None:
         return dataclasses.replace(own, exit=exit_text(code), consequence=stopping)
     how = exit_text(code)
@@ -167,9 +173,11 @@ def rank_exit_failure(slot: Slot, code: int, *, stopping: bool) -> Failure:
     )
 
 
-def run_rank_processes(slots: list[Slot], env: dict[str, str], slot_env: Callable[[Slot], dict[str, str]]) -> Failure | None:
-    """Start one rank process per slot (``env`` plus its launcher's ``slot_env``), wait for all;
-    return the first failure, if any. Gloo and torch start their ranks so; mpirun has orted do it.
+def run_rank_processes(slots: list[Slot], env: dict[str, str], slot_env: Callable[[Slot], dict[str, str]],
+                       pass_fds: Callable[[Slot], tuple[int, ...]] = lambda slot: ()) -> Failure | None:
+    """Start one rank process per slot (``env`` plus its launcher's ``slot_env``; the descriptors
+    ``pass_fds`` names, inherited), wait for all; return the first failure, if any. Gloo and torch
+    start their ranks so; mpirun has orted do it.
 
     The wait blocks in ``waitpid`` (one thread per rank): nothing on this host wakes up while the
     ranks train, and an exit is seen the moment it happens.
@@ -180,7 +188,8 @@ def run_rank_processes(slots: list[Slot], env: dict[str, str], slot_env: Callabl
         for slot in slots:
             rank_env = {**env, **slot_env(slot), names.ENV_RANK: str(slot.rank)}
             with TaskDir(slot.task_dir).rank_log(slot.rank).open("wb") as out:
-                proc = procs.spawn(WORKER, rank_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                proc = procs.spawn(WORKER, rank_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   pass_fds=pass_fds(slot))
             running.append(proc)
             threading.Thread(target=lambda s=slot, p=proc: ended.put((s, p, p.wait())), daemon=True).start()
         for _ in running:
@@ -278,7 +287,13 @@ class TaskFailure(RuntimeError):
 
     def __init__(self, failure: Failure) -> None:
         self.failure = failure
-        super().__init__("%s\n%s%s%s" % (failure.message, ERROR_MARKER, json.dumps(failure.to_json()), ERROR_MARKER))
+        super().__init__("%s\n%s" % (failure_blob(failure.to_json()), failure.message))
+
+
+def failure_blob(raw: dict[str, Any]) -> str:
+    """A failure as it travels in an exception's text: first, in markers, as base64 (which holds no
+    ``@``): the message after it, which holds a rank's words, cannot forge it (issue 49)."""
+    return "%s%s%s" % (ERROR_MARKER, base64.b64encode(json.dumps(raw).encode()).decode(), ERROR_MARKER)
 
 
 class Stopped(Exception):
@@ -286,13 +301,14 @@ class Stopped(Exception):
 
 
 def parse_failure(text: str) -> Failure | None:
-    """The failure inside an exception text that travelled through Spark, if there is one."""
+    """The failure inside an exception text that travelled through Spark, if there is one: the first
+    ``failure_blob`` in it (what follows it, a rank's words included, is never read as one)."""
     start = text.find(ERROR_MARKER)
     end = text.find(ERROR_MARKER, start + len(ERROR_MARKER)) if start >= 0 else -1
     if end < 0:
         return None
-    with contextlib.suppress(ValueError, TypeError):
-        return Failure.from_json(json.loads(text[start + len(ERROR_MARKER) : end]))
+    with contextlib.suppress(ValueError, TypeError, AttributeError, binascii.Error):
+        return Failure.from_json(json.loads(base64.b64decode(text[start + len(ERROR_MARKER) : end], validate=True)))
     return None
 
 

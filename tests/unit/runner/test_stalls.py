@@ -42,7 +42,7 @@ def test_no_progress_for_the_stall_timeout_stops_the_try_naming_the_rank_stuck_i
     failure = sup.cause
     assert failure.message == ("stalled: rank 1 in user code at sleepy (job.py:52); rank 0 waits in allreduce "
                                "(called at train (job.py:9)) (no rank made progress for 600 s)")
-    assert (failure.rank, failure.host, failure.stall, failure.lost) == (1, "hvdhost1", "stuck", False)
+    assert (failure.rank, failure.host, failure.stall, failure.lost) == (1, "hvdhost0", "stuck", False)  # the plan's host
     assert failure.traceback.startswith("Python stacks at the stall")
     assert "rank 1 (pid 101 on hvdhost1): in user code at sleepy (job.py:52)\n  Thread MainThread: ..." in failure.traceback
     assert ending_of(cancelled=False, reason=sup.reason, cause=sup.cause, job_error=None) == Ending.FAILED  # no restart

@@ -145,12 +145,11 @@ def checkpoint_dir() -> Path:
     """The folder to save checkpoints in.
 
     On rank 0 it is the folder the runner pulls back after the run; on every other rank it is a
-    scratch folder that is thrown away, so "save only on rank 0" code works unchanged.
-    Write a checkpoint under a temporary name and rename it when complete (or write it under a
-    final name and close it): the folder as it is then is a checkpoint *version*, committed to the
-    artifact store while training goes on. For checkpoints of several files, call
-    ``commit_checkpoint()`` once they are all written: from the first call on, only its calls make
-    versions. A file being written when the run fails is never offered as complete.
+    scratch folder that is thrown away, so "save only on rank 0" code works unchanged. What makes
+    a checkpoint *version* (kept for the whole run, resumed from by a restart) is the commit rule of
+    docs/runtime.md: the folder at each ``commit_checkpoint()`` call; in a run that never calls it,
+    at each file renamed into place from a temporary name or closed under its final name. A file
+    being written when the run fails is never offered as complete.
     """
     base = os.environ.get(names.ENV_TASK_DIR)
     if base is None:
@@ -163,9 +162,10 @@ def checkpoint_dir() -> Path:
 
 def commit_checkpoint(step: int | None = None, **metrics: float) -> None:
     """Rank 0: the checkpoint folder as it is now is one consistent version; ship and commit it in
-    the background (training goes on at once). Once a run has called this, only its calls make
-    versions. ``step`` and ``metrics`` go into the version's marker; they follow ``report()``'s
-    rules (an int >= 0, finite numbers), checked at the call on every rank: ``TypeError`` or
+    the background (training goes on at once). Once an attempt has called this, only its calls make
+    versions: call it after every save (a save no call takes within 30 s is named in a warning; the
+    commit rule of docs/runtime.md). ``step`` and ``metrics`` go into the version's marker; they
+    follow ``report()``'s rules (an int >= 0, finite numbers), checked at the call on every rank: ``TypeError`` or
     ``ValueError`` says what to pass. Other ranks: nothing else happens. An empty checkpoint folder
     is no version: the call warns and does nothing."""
     import time

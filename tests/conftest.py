@@ -26,6 +26,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     os.environ.update(jvm.environment())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engine_runs_dir(tmp_path_factory) -> str:
+    """Engine runs given no ``artifact_dir`` keep their folders under the session's temporary folder
+    (``HVDRUNNER_RUNS_DIR``), never in the user's ``~/.cache``; processes the tests start inherit it."""
+    os.environ["HVDRUNNER_RUNS_DIR"] = str(tmp_path_factory.mktemp("engine-runs"))
+    return os.environ["HVDRUNNER_RUNS_DIR"]
+
+
 @pytest.fixture(scope="session")
 def spark():
     from pyspark.sql import SparkSession

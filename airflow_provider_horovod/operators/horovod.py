@@ -22,9 +22,11 @@ from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.driver.restarts import AttemptRecord
 from airflow_provider_horovod.runner.events import RunReport, RunStatus
 from airflow_provider_horovod.runner.options import (
+    DEFAULT_LAST_CALL_S,
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_START_TIMEOUT_S,
     Launcher,
+    check_last_call,
     check_options,
     check_restarts,
 )
@@ -119,7 +121,10 @@ class HorovodRunnerOperator(BaseOperator):
         while the first is repaired (spot capacity is often lost in pairs), and a cluster that loses
         more is left to ``retries`` and ``HorovodRetryPolicy``. 0 turns restarts off.
     :param min_np: the fewest barrier tasks a restart runs on when fewer than ``np`` slots come back
-        within ``start_timeout`` (``runtime.size()`` says how many); ``None`` (default): ``np``. (templated)
+        (``runtime.size()`` says how many); ``None`` (default): ``np``. (templated)
+    :param last_call: seconds a restart that has ``min_np`` slots waits for the rest before it runs on
+        what there is (30 by default; at once on a ``local[N]`` master, or when Spark decommissioned
+        the lost executor's standalone worker).
     :param progress_interval: seconds between two ``Horovod progress:`` lines in the task log (from
         rank 0's ``runtime.report``); defaults to ``[horovod] progress_interval`` (30).
     :param retry_policy: Airflow's retry policy (AIP-105), an instance; by default a ``HorovodRetryPolicy``,
@@ -172,6 +177,7 @@ class HorovodRunnerOperator(BaseOperator):
         mlflow_conn_id: str | None = None,
         max_restarts: int = DEFAULT_OPERATOR_RESTARTS,
         min_np: int | str | None = None,
+        last_call: float = DEFAULT_LAST_CALL_S,
         **kwargs: Any,
     ) -> None:
         defaults = kwargs.get("default_args") or {}
@@ -186,6 +192,7 @@ class HorovodRunnerOperator(BaseOperator):
                       max_artifact_bytes=max_artifact_bytes, max_artifact_files=max_artifact_files, timeline=timeline,
                       stall_timeout=stall_timeout)
         check_restarts(max_restarts, None if _rendered_later(min_np) else min_np, np)
+        check_last_call(last_call)
         check_when_parsed(training_callable, np=np, op_args=op_args, op_kwargs=op_kwargs, resume=resume)
         check_dataset(dataset, templated=True)
         check_kinds(training_callable, env=env)
@@ -226,6 +233,7 @@ class HorovodRunnerOperator(BaseOperator):
         self.mlflow_conn_id = mlflow_conn_id
         self.max_restarts = max_restarts
         self.min_np = min_np
+        self.last_call = float(last_call)
         self.progress_interval = None if progress_interval is None else check_progress_interval(progress_interval)
 
     @cached_property
@@ -310,6 +318,7 @@ class HorovodRunnerOperator(BaseOperator):
                 max_artifact_files=self.max_artifact_files, keep_checkpoints=self.keep_checkpoints,
                 on_checkpoint=on_checkpoint, dataset=self.dataset_callable or self.dataset, on_report=on_report,
                 max_restarts=self.max_restarts, min_np=validate_min_np(self.min_np, np),
+                last_call=self.last_call,
             )
             return result, report, None
         except (HorovodRunError, ArtifactError) as err:  # returned: the try stores what the run left, execute raises it

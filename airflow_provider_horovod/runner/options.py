@@ -24,6 +24,7 @@ class Launcher(enum.StrEnum):
 
 VERBOSITIES = ("all", "log_callback_only")
 DEFAULT_START_TIMEOUT_S = 120.0
+DEFAULT_LAST_CALL_S = 30.0  # a restart with min_np slots waits this long for the rest (torchrun's elastic "last call")
 # a collective some rank never joins ends the run after this long: longer than any honest wait of
 # one rank for another (rank 0 saving or evaluating), far shorter than an execution_timeout
 DEFAULT_STALL_TIMEOUT_S = 600.0
@@ -72,6 +73,14 @@ def check_restarts(max_restarts: object, min_np: object, np: object = None) -> N
             raise ValueError("min_np needs np > 0: np < 0 runs local processes, whose number never shrinks")
         if min_np > np:
             raise ValueError("min_np=%d is more than np=%d; give min_np <= np" % (min_np, np))
+
+
+def check_last_call(last_call: object) -> float:
+    """``last_call``: seconds a restart that has ``min_np`` slots waits for the rest (``>= 0``)."""
+    if isinstance(last_call, bool) or not isinstance(last_call, (int, float)) or not 0 <= last_call < float("inf"):
+        raise ValueError("last_call must be a number of seconds >= 0 (how long a restart that has min_np slots waits "
+                         "for the rest; 0: start at once); got %r" % (last_call,))
+    return float(last_call)
 
 
 def check_engine_values(*, spark: object = None, artifact_dir: object = None, on_checkpoint: object = None,

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from airflow_provider_horovod.runner.options import DEFAULT_LAST_CALL_S
 from tests.integration import dataset_jobs
 from tests.integration.cluster import StandaloneCluster
 from tests.integration.scenarios.cluster_runs import DATASET_ROWS
 from tests.integration.scenarios.restart_runs import DATASET_ROWS as RESTART_DATASET_ROWS
+from tests.integration.scenarios.restart_runs import HOST_START_TIMEOUT_S as RESTART_HOST_START_TIMEOUT_S
 from tests.integration.scenarios.restart_runs import VICTIMS as RESTART_VICTIMS
 
 pytestmark = pytest.mark.slow
@@ -185,6 +187,24 @@ def test_the_executors_of_rank_1_then_rank_0_killed_mid_training_cost_one_restar
     assert got["result"] == {"start": started, "attempt": 2, "size": 2}
 
 
+@pytest.mark.parametrize("launcher", ["mpirun", "gloo", "torch"])
+def test_an_engine_run_without_artifact_dir_keeps_every_committed_version_in_its_run_folder_for_its_restarts(
+        restart_runs, launcher):
+    from airflow_provider_horovod.runner.versions import committed
+
+    got = restart_runs[launcher]  # HorovodRunner(2, max_restarts=2): no artifact_dir
+    folder = Path(got["artifact_dir"])
+    assert folder.parent == Path(os.environ["HVDRUNNER_RUNS_DIR"])  # the test session's root (conftest.py)
+    # each restart resumed from the newest version committed before its loss (on main's code: "resumes from
+    # the start: no checkpoint version was committed"), and the newest of the run is still there after it, with
+    # the one before it (keep_checkpoints=2)
+    for restarted, kill in zip(got["attempts"][1:], got["kills"]):
+        assert restarted["resumed_from"]["step"] >= kill["newest_step"] is not None
+    steps = [v["step"] for v in got["checkpoints"]]
+    assert [v.step for v, _path in committed(folder)] == steps[-2:]
+    assert (committed(folder)[-1][1] / "step.txt").read_text() == str(steps[-1])
+
+
 @pytest.fixture(scope="module")
 def host_loss_run(restart_runs):
     """The worker hosting rank 1 is decommissioned, then killed for good once rank 0 committed the
@@ -206,6 +226,18 @@ def test_a_host_decommissioned_before_it_is_gone_loses_no_step_and_the_run_finis
     # dataset= follows the smaller restart: the one rank left reads every row (2 shards in attempt 0)
     assert host_loss_run["result"] == {"start": restarted["resumed_from"]["step"] + 1, "attempt": 1, "size": 1,
                                        "rows": RESTART_DATASET_ROWS}
+
+
+def test_a_worker_gone_for_good_with_min_np_starts_the_shrunken_attempt_at_once_as_spark_decommissioned_it(
+        host_loss_run):
+    # min_np=1 of np=2, start_timeout=60 s, the default last_call (30 s): Spark decommissioned the worker with its
+    # executor, so its slot cannot come back; the restart runs on the one slot left at once, well within last
+    # call + 15 s of the loss (on main's code it waited start_timeout)
+    (notice,) = host_loss_run["notices"]
+    assert host_loss_run["workers_gone"] == notice["executors"]  # Spark said the executor's worker goes with it
+    assert RESTART_HOST_START_TIMEOUT_S > DEFAULT_LAST_CALL_S
+    assert host_loss_run["last_started_after_kill_s"] < DEFAULT_LAST_CALL_S
+    assert host_loss_run["attempts"][1]["np"] == 1
 
 
 @pytest.fixture(scope="module")

@@ -62,12 +62,23 @@ print("CHECKED")
     assert "CHECKED" in out
 
 
-def test_the_migration_pages_mnist_notebook_runs_with_only_the_import_changed(tmp_path):
-    """np < 0 with log_callback_only, as sparkdl's local mode: every rank's prints still show."""
+def test_the_migration_pages_mnist_notebook_runs_with_only_the_import_changed_and_keeps_its_model(
+        tmp_path, monkeypatch):
+    """np < 0 with log_callback_only, as sparkdl's local mode: every rank's prints still show. The model
+    rank 0 saves is kept after the run under the default root (a user's ``~/.cache``: here
+    ``XDG_CACHE_HOME``), as ``/dbfs`` kept it, and the run's last line says where."""
     notebook = blocks(MIGRATING, "python")[0].code
     assert "from sparkdl import HorovodRunner" in notebook  # the line it replaces, said beside it
-    out = _run_script(tmp_path, notebook + "\nassert isinstance(loss, float), loss\nprint('CHECKED')\n")
-    assert "CHECKED" in out and "[rank 0] epoch 1 loss" in out and "[rank 1] epoch 1 loss" in out
+    monkeypatch.setitem(USER_ENV, "XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delitem(USER_ENV, "HVDRUNNER_RUNS_DIR", raising=False)  # the default root, as a user has it
+    out = _run_script(tmp_path, notebook + "\nassert isinstance(loss, float), loss\n"
+                                           "print('MODEL', hr.last_run.checkpoint_path)\n")
+    assert "[rank 0] epoch 1 loss" in out and "[rank 1] epoch 1 loss" in out
+    (kept,) = (tmp_path / "cache" / "airflow-provider-horovod" / "runs").iterdir()
+    assert "kept its checkpoints in %s" % kept in out and "MODEL %s" % (kept / "checkpoints") in out
+    import torch
+
+    assert set(torch.load(kept / "checkpoints" / "model.pt")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
 def test_the_first_dag_pages_unit_test_of_the_training_step_passes_as_written(tmp_path, monkeypatch):

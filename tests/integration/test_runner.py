@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -241,12 +242,19 @@ def test_unpicklable_return_value_fails_in_the_rank_saying_what_to_return_instea
     assert (tmp_path / "run" / "checkpoints" / "model.pt").read_bytes() == b"weights"  # the training is not lost
 
 
-def test_an_engine_run_without_artifact_dir_warns_naming_the_checkpoints_it_discards(spark, caplog, capfd):
+def test_an_engine_run_without_artifact_dir_keeps_rank_0s_checkpoint_in_a_run_folder_and_says_where(
+        spark, caplog, capfd, engine_runs_dir):
+    runner = HorovodRunner(2, launcher="gloo", spark=spark)
     with caplog.at_level(logging.INFO):
-        assert HorovodRunner(2, launcher="gloo", spark=spark).run(jobs.saves_a_checkpoint_job) == 2
+        assert runner.run(jobs.saves_a_checkpoint_job) == 2
+    folder = Path(runner.last_run.artifact_dir)
+    assert folder.parent == Path(engine_runs_dir) and folder.name.endswith("-" + runner.last_run.run_id)
+    assert runner.last_run.checkpoint_path == str(folder / "checkpoints")
+    assert (folder / "checkpoints" / "model.pt").read_bytes() == b"weights"
+    assert (folder / "checkpoints" / "optimizer.pt").read_bytes() == b"state"
     said = caplog.text + "".join(capfd.readouterr())
-    assert ("WARNING: rank 0 saved model.pt, optimizer.pt in runtime.checkpoint_dir(), and this run has no "
-            "artifact_dir: they are deleted with the task's folder now. Pass artifact_dir=") in said
+    assert "Run %s kept its checkpoints in %s" % (runner.last_run.run_id, folder) in said
+    assert "deleted with the task's folder" not in said
 
 
 def test_unpicklable_kwarg_fails_before_any_spark_job(spark):

@@ -1,7 +1,13 @@
 """The engine's ``artifact_dir`` on the driver: proven writable before anything runs, and the
 run's end committed into it, the engine's marker ``_RUN.json`` (``records.RunMarker``) *last*.
 A reader trusts the folder only when that marker says ``"complete": true``. The checkpoint
-versions committed while the run goes on are ``versions.py``'s."""
+versions committed while the run goes on are ``versions.py``'s.
+
+A run given no ``artifact_dir`` gets a run folder of its own under ``runs_root()`` (committed means
+kept, with or without Airflow: a restart inside the run resumes from the newest version there, and
+rank 0's last checkpoint outlives the run). It is kept after the run whatever its status, unless
+rank 0 left nothing in it (no version, no checkpoint, no timeline): then it is removed.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from airflow_provider_horovod.runner import records
 from airflow_provider_horovod.runner.timeline import draw_timeline
 
 log = logging.getLogger(__name__)
+RUNS_ROOT_ENV = "HVDRUNNER_RUNS_DIR"  # where runs without artifact_dir keep their folders
 HANDED_OVER = (records.CHECKPOINTS, records.TIMELINE)  # what of rank 0's folder comes back
 
 
@@ -40,6 +47,43 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
             "%s already holds the committed artifacts of an earlier run; give each run its own folder." % target
         )
     return target
+
+
+def runs_root() -> Path:
+    """Where a run without ``artifact_dir`` keeps its folder: ``$HVDRUNNER_RUNS_DIR``, else
+    ``$XDG_CACHE_HOME/airflow-provider-horovod/runs``, else ``~/.cache/airflow-provider-horovod/runs``.
+
+    The user's cache folder rather than the system's temporary one: it is the user's alone (a model
+    is data), on disk rather than a RAM-backed ``/tmp``, and no reboot or ``tmpfiles`` sweep empties it
+    while someone still wants the model (as Ray Train keeps ``~/ray_results``)."""
+    chosen = os.environ.get(RUNS_ROOT_ENV)
+    if chosen:
+        return Path(chosen).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "airflow-provider-horovod" / "runs"
+
+
+def new_run_folder(run_id: str, now: float | None = None) -> Path:
+    """The run folder of a run without ``artifact_dir``: ``<runs_root()>/<UTC time>-<run_id>`` (sorted
+    by time in a listing), created for this user alone and proven writable (``ArtifactError`` names
+    the fix)."""
+    root = runs_root()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as err:
+        raise ArtifactError(
+            "Cannot create the folder %s where runs without artifact_dir keep their checkpoints (%s). Set %s to a "
+            "folder this process can write, or pass artifact_dir=." % (root, err.strerror or err, RUNS_ROOT_ENV)
+        ) from err
+    return check_writable(root / ("%s-%s" % (stamp, run_id)))
+
+
+def holds_something(artifact_dir: Path) -> bool:
+    """Whether a committed run folder keeps anything of rank 0's (a version, a checkpoint, a timeline)."""
+    checkpoints = artifact_dir / records.CHECKPOINTS
+    return (bool(records.Layout(artifact_dir).committed_versions()) or (artifact_dir / records.TIMELINE).exists()
+            or (checkpoints.is_dir() and any(checkpoints.iterdir())))
 
 
 def commit(artifact_dir: Path, staging: Path, *, status: str, complete: bool, run_id: str,

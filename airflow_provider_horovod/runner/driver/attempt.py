@@ -40,6 +40,8 @@ from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.dataset import DatasetSpec, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
 from airflow_provider_horovod.runner.driver import executors
+from airflow_provider_horovod.runner.driver.capacity import can_grow, fixed_slots, worker_decommissioned
+from airflow_provider_horovod.runner.driver.capacity import master_of as _master
 from airflow_provider_horovod.runner.driver.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.driver.preemption import DecommissionWatch
 from airflow_provider_horovod.runner.driver.restarts import Ending, ending_of
@@ -102,20 +104,6 @@ def verbosity(runner: HorovodRunner) -> str:
     return "all" if runner.np < 0 else runner.driver_log_verbosity
 
 
-def fixed_slots(master: str | None) -> bool:
-    """Whether a master's barrier slots can never grow: a local master (``local``, ``local[N]``,
-    ``local[*]``, ``local[N,F]``) runs its tasks in the driver's JVM, where no executor joins."""
-    return bool(master) and re.fullmatch(r"local(\[[^\]]*\])?", str(master).strip()) is not None
-
-
-def _master(spark: Any) -> str | None:
-    with contextlib.suppress(Exception):
-        return spark.sparkContext.master
-    with contextlib.suppress(Exception):
-        return spark.conf.get("spark.master", None)
-    return None
-
-
 def checked_plan(driver_python: str, driver_stack: dict[str, str], facts: list[TaskFacts]) -> Plan:
     """The driver's planner: the plan of ``facts``, or ``PlanError`` when ``check_facts`` refuses them;
     a host that is short of something its ranks may need is a warning in the log (``readiness``)."""
@@ -132,7 +120,8 @@ class Attempt:
 
     def __init__(self, runner: HorovodRunner, run_id: str, payload: bytes, report: RunReport,
                  staging: Path | None, sink: VersionSink | None, *, number: int = 0,
-                 resume_from: Path | None = None, lost_at: float | None = None) -> None:
+                 resume_from: Path | None = None, lost_at: float | None = None,
+                 workers_gone: list[str] | None = None) -> None:
         self.runner = runner
         self.number = number  # 0, then 1, 2, ... after each restart (runtime.attempt())
         # the first attempt is the run: its id, its job tag; a restart's tasks and folders are its own
@@ -142,6 +131,8 @@ class Attempt:
         self.np = runner.np  # a restart may run on fewer (min_np): every size below is this one
         self.resume_from = runner.resume_from if number == 0 else resume_from
         self.lost_at = lost_at  # when the attempt before lost its infrastructure (monotonic), for the log
+        # executors whose worker Spark decommissioned (capacity.can_grow): the attempts' before, then this one's
+        self.workers_gone = list(workers_gone or ())
         self.ranks_started_at: float | None = None
         self.ending: Ending | None = None
         self._job: tuple[Any, str] | None = None  # (SparkSession, tag) of the stage submitted
@@ -221,7 +212,7 @@ class Attempt:
             stall_timeout_s=self.runner.stall_timeout,
             driver_stack=stack_of_this_host(horovod=self.runner.launcher.runs_horovod),
             timeline=self.runner.timeline,
-            collect_artifacts=self.runner.artifact_dir is not None,
+            collect_artifacts=self.sink is not None,  # every run keeps rank 0's folder (runner.run)
             has_resume=self.resume_from is not None,
             resume_local=str(self.resume_from) if (self.resume_from is not None and self.np < 0) else None,
             attempt=self.number,
@@ -419,24 +410,39 @@ class Attempt:
         log.info("The cluster has %d barrier slots after waiting %.1f s for them", self.slots, time.monotonic() - started)
 
     def _slots_for_restart(self, spark: Any) -> int:
-        """A restart's size: ``np`` when that many slots come back within ``start_timeout``; else what
-        there is, when that is at least ``min_np``; else ``InsufficientSlotsError``."""
-        deadline = time.monotonic() + self.runner.start_timeout
-        slots = self._available_slots(spark)
-        while slots is not None and slots < self.np and time.monotonic() < deadline and not self.runner._cancelled.is_set():
+        """A restart's size, asked of the policy every half second (``RestartPolicy.restart_size``):
+        ``np`` once that many slots are back; what there is once it is at least ``min_np`` and the last
+        call is over, or at once where the cluster says the rest cannot come (``capacity.can_grow``);
+        else ``InsufficientSlotsError``."""
+        policy, began, minimum_since, told = self.runner.restarts, time.monotonic(), None, False
+        while True:
+            slots, now = self._available_slots(spark), time.monotonic()
+            if slots is not None and slots >= (policy.min_np or self.np):
+                minimum_since = minimum_since or now
+            else:
+                minimum_since = None
+            size = policy.restart_size(self.np, slots, waited_s=now - began, can_grow=can_grow(spark, self.workers_gone),
+                                       minimum_for_s=None if minimum_since is None else now - minimum_since,
+                                       start_timeout_s=self.runner.start_timeout)
+            if size.np is not None or size.fail:
+                break
+            if not told and minimum_since is not None:
+                told = True
+                log.info("Attempt %d: %d of np=%d barrier slots are back (min_np=%d); waiting up to last_call=%gs for "
+                         "the rest", self.number, slots, self.np, policy.min_np, policy.last_call_s)
+            if self.runner._cancelled.is_set():
+                self.ending = Ending.CANCELLED
+                raise RunCancelledError("The Horovod job was cancelled while its restart waited for barrier slots.")
             time.sleep(0.5)
-            slots = self._available_slots(spark)
-        size = self.runner.restarts.next_np(self.np, slots)
-        if size is None:
+        if size.fail:
             raise InsufficientSlotsError(
-                "Only %d of np=%d barrier slots came back within start_timeout=%gs after the loss, fewer than "
-                "min_np=%s. Add executors, or lower min_np to restart on what is left."
-                % (slots or 0, self.np, self.runner.start_timeout, self.runner.restarts.min_np or self.np))
-        if size < self.np:
-            log.warning("Attempt %d runs on %d of np=%d barrier tasks (min_np=%d): only %d slots came back within "
-                        "start_timeout=%gs", self.number, size, self.np, self.runner.restarts.min_np, slots,
-                        self.runner.start_timeout)
-        return size
+                "Only %d of np=%d barrier slots are there after the loss (%s after %.0f s), fewer than min_np=%s. Add "
+                "executors, or lower min_np to restart on what is left."
+                % (slots or 0, self.np, size.why, now - began, policy.min_np or self.np))
+        if size.np < self.np:
+            log.warning("Attempt %d runs on %d of np=%d barrier tasks (min_np=%d): %s, %.1f s after it began waiting",
+                        self.number, size.np, self.np, policy.min_np, size.why, now - began)
+        return size.np
 
     def _preempting(self, executors: list[str], why: str = "Spark is decommissioning executor %s") -> None:
         """Spark is decommissioning ``executors``: every task tells its ranks (``runtime.preempting()``),
@@ -447,6 +453,8 @@ class Attempt:
                 return
             self.preempted_at = time.monotonic()
         self.versions_at_notice = len(self.sink.committed) if self.sink is not None else 0
+        if self._job is not None:  # asked now: the scheduler forgets the state once the executor is gone
+            self.workers_gone += [e for e in executors if worker_decommissioned(self._job[0], e)]
         log.warning(why + ": every rank of attempt %d is told (runtime.preempting())", ", ".join(executors), self.number)
         self.channel.record({"kind": "preempting", "executors": executors})
         self.channel.send_tasks(messages.Preempting())

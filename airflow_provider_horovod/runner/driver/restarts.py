@@ -15,6 +15,7 @@ import signal
 from typing import Any
 
 from airflow_provider_horovod.runner.events import Failure
+from airflow_provider_horovod.runner.options import DEFAULT_LAST_CALL_S
 
 
 class Ending(enum.StrEnum):
@@ -61,23 +62,53 @@ def ending_of(*, cancelled: bool, reason: str | None, cause: Failure | None, job
 
 
 @dataclasses.dataclass(frozen=True)
+class RestartSize:
+    """What a restart does with the slots there are now: start ``np`` ranks (``np`` set), fail
+    (``fail``), or neither: wait and ask again. ``why`` says it in the log's words."""
+
+    np: int | None = None
+    fail: bool = False
+    why: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class RestartPolicy:
     """``max_restarts``: how many attempts may follow one that lost infrastructure; ``min_np``: the
-    fewest barrier tasks a restart runs on when fewer than ``np`` slots come back (``np`` by default)."""
+    fewest barrier tasks a restart runs on when fewer than ``np`` slots come back (``np`` by default);
+    ``last_call_s``: how long a restart that has ``min_np`` slots waits for the rest."""
 
     max_restarts: int = 0
     min_np: int | None = None
+    last_call_s: float = DEFAULT_LAST_CALL_S
 
     def restarts(self, ending: Ending, restarts_done: int) -> bool:
         return ending == Ending.LOST and restarts_done < self.max_restarts
 
-    def next_np(self, np: int, slots: int | None) -> int | None:
-        """The size of the next attempt given the ``slots`` there are after the bounded wait: ``np``
-        when they are enough (or unknown), what there is when that is at least ``min_np``, else
-        ``None`` (too few: the run fails as a first attempt would)."""
+    def restart_size(self, np: int, slots: int | None, *, waited_s: float, minimum_for_s: float | None,
+                     can_grow: bool, start_timeout_s: float) -> RestartSize:
+        """The size of the next attempt, asked again while it waits (torchrun's elastic rendezvous):
+
+        * ``np`` slots, or a session that cannot count them (``slots`` is ``None``): ``np``, now;
+        * at least ``min_np`` (there for ``minimum_for_s``): what there is, once the rest cannot come
+          (``can_grow`` false: a ``local[N]`` master), the last call is over, or ``start_timeout`` is;
+        * fewer: fail once the rest cannot come or ``start_timeout`` is over.
+        """
         if slots is None or slots >= np:
-            return np
-        return slots if slots >= (self.min_np or np) else None
+            return RestartSize(np=np, why="%s barrier slots" % ("np=%d" % np if slots is not None else "unknown"))
+        minimum = self.min_np or np
+        if slots >= minimum:
+            if not can_grow:
+                return RestartSize(np=slots, why="the cluster cannot gain slots")
+            if minimum_for_s is not None and minimum_for_s >= self.last_call_s:
+                return RestartSize(np=slots, why="no more came within last_call=%gs" % self.last_call_s)
+            if waited_s >= start_timeout_s:
+                return RestartSize(np=slots, why="no more came within start_timeout=%gs" % start_timeout_s)
+            return RestartSize()
+        if not can_grow:
+            return RestartSize(fail=True, why="the cluster cannot gain slots")
+        if waited_s >= start_timeout_s:
+            return RestartSize(fail=True, why="no more came within start_timeout=%gs" % start_timeout_s)
+        return RestartSize()
 
 
 @dataclasses.dataclass

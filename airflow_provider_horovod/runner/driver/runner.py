@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.exceptions import ArtifactError, HorovodRunError, RunCancelledError
-from airflow_provider_horovod.runner.driver.artifact_dir import check_writable, commit
+from airflow_provider_horovod.runner.driver.artifact_dir import (
+    RUNS_ROOT_ENV,
+    check_writable,
+    commit,
+    holds_something,
+    new_run_folder,
+)
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.driver import executors
@@ -35,10 +41,12 @@ from airflow_provider_horovod.runner.driver.restarts import (
     resumed_text,
 )
 from airflow_provider_horovod.runner.options import (
+    DEFAULT_LAST_CALL_S,
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_START_TIMEOUT_S,
     Launcher,
     check_engine_values,
+    check_last_call,
     check_options,
     check_restarts,
 )
@@ -82,15 +90,17 @@ class HorovodRunner:
         ranks, where they are (user frame, or what the OS says of a rank that does not answer) and
         every rank's stacks; under every launcher (600 by default; whole seconds, rounded up). Under
         mpirun and Gloo it also sets Horovod's stall check, which names the tensor (``stall.stall_env``).
-    :param timeline: record a Horovod timeline on rank 0 and bring it back (needs ``artifact_dir``).
-    :param artifact_dir: a local folder to commit rank 0's checkpoints and timeline into.
+    :param timeline: record a Horovod timeline on rank 0 and bring it back into the run's folder.
+    :param artifact_dir: a local folder to commit rank 0's checkpoints and timeline into. Without it,
+        the run keeps them in a run folder of its own, ``<HVDRUNNER_RUNS_DIR>/<UTC time>-<run id>``
+        (default root ``~/.cache/airflow-provider-horovod/runs``), named at the end of the run and in
+        ``last_run.artifact_dir``; it is kept unless rank 0 left nothing in it.
     :param resume_from: a checkpoint folder every rank sees as ``runtime.resume_dir()``.
     :param max_artifact_bytes: the most rank 0's artifacts may hold (1 TiB by default); a larger
         hand-over fails the run with ``ArtifactError`` rather than fill the driver's disk.
     :param max_artifact_files: the most files rank 0's artifacts may hold (100 000 by default).
-    :param keep_checkpoints: with ``artifact_dir``, how many checkpoint versions committed during
-        the run are kept in ``artifact_dir/versions/`` (2 by default; ``last_run.checkpoints``
-        lists every one committed).
+    :param keep_checkpoints: how many checkpoint versions committed during the run are kept in
+        ``versions/`` of the run's folder (2 by default; ``last_run.checkpoints`` lists every one committed).
     :param on_checkpoint: called with each committed ``Version`` and its folder, from a thread of
         the driver, before older versions are pruned (the operator stores it there).
     :param on_report: called with each of rank 0's ``runtime.report`` calls that reached the driver
@@ -104,11 +114,15 @@ class HorovodRunner:
     :param max_restarts: how many times the run starts a new attempt (barrier stage) after one ended
         by lost infrastructure: a barrier task, executor or host lost, a rank killed by a signal from
         outside (SIGKILL, SIGTERM, SIGHUP, SIGINT). The next attempt runs in the same ``run()`` and
-        SparkSession and resumes from the newest checkpoint version committed in ``artifact_dir``
+        SparkSession and resumes from the newest checkpoint version committed in the run's folder
         (``runtime.resume_dir()``; ``runtime.attempt()`` says which attempt it is). An exception of
         the training function, a payload, environment or dataset error never restarts. 0 by default.
     :param min_np: the fewest barrier tasks a restart runs on when fewer than ``np`` slots come back
-        within ``start_timeout`` (``runtime.size()`` follows); ``None`` (default): ``np``, always.
+        (``runtime.size()`` follows); ``None`` (default): ``np``, always.
+    :param last_call: seconds a restart that has ``min_np`` slots waits for the rest before it runs on
+        what there is (30 by default, torchrun's elastic "last call"); at once where the cluster says
+        the rest cannot come (a ``local[N]`` master; a standalone worker Spark decommissioned). Below
+        ``min_np`` it waits up to ``start_timeout``.
     """
 
     def __init__(
@@ -132,6 +146,7 @@ class HorovodRunner:
         on_report: Callable[[Report], None] | None = None,
         max_restarts: int = 0,
         min_np: int | None = None,
+        last_call: float = DEFAULT_LAST_CALL_S,
     ) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise ValueError("np must be a non-zero int (np > 0: barrier tasks, np < 0: local processes); got %r" % (np,))
@@ -168,7 +183,7 @@ class HorovodRunner:
         self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else None
         self.resume_from = Path(resume_from).resolve() if resume_from is not None else None
         self.dataset = dataset
-        self.restarts = RestartPolicy(max_restarts=max_restarts, min_np=min_np)
+        self.restarts = RestartPolicy(max_restarts=max_restarts, min_np=min_np, last_call_s=check_last_call(last_call))
         self._spark = spark
         self._cancelled = threading.Event()
         self._interrupt: BaseException | None = None  # an exception raised into run() while supervising
@@ -182,21 +197,20 @@ class HorovodRunner:
         build = require_training_stack(self.launcher)  # before Spark starts: a light install fails here, naming the fix
         payload = build_payload(main, args, kwargs)
         require_framework(build, used_modules(resolve_callable(main)).names(), describe(main))
-        artifact_dir = self.artifact_dir and check_writable(self.artifact_dir)
-        if self.timeline and artifact_dir is None:
-            raise ValueError("timeline=True needs an artifact_dir to bring the timeline back to")
+        run_id = uuid.uuid4().hex[:12]
+        # committed means kept: a run given no artifact_dir keeps its versions in a run folder of its own
+        artifact_dir = check_writable(self.artifact_dir) if self.artifact_dir is not None else new_run_folder(run_id)
         self._cancelled.clear()
         self._interrupt = None
         self._last = None
-        run_id = uuid.uuid4().hex[:12]
         started = time.monotonic()
         report = self.last_run = RunReport(run_id=run_id, np=self.np, launcher=self.launcher,
-                                           artifact_dir=str(artifact_dir) if artifact_dir else None)
+                                           artifact_dir=str(artifact_dir))
         log.info("Starting Horovod job %s: %s on %d %s with %s", run_id, describe(main), abs(self.np),
                  "barrier tasks" if self.np > 0 else "local processes", self.launcher)
-        staging = artifact_dir / (".incoming-%s" % run_id) if artifact_dir else None
+        staging = artifact_dir / (".incoming-%s" % run_id)
         sink = VersionSink(artifact_dir, keep=self.keep_checkpoints, limits=self.artifact_limits,
-                           on_commit=self.on_checkpoint) if artifact_dir else None
+                           on_commit=self.on_checkpoint)
         result = None
         try:
             with self._signals():
@@ -215,12 +229,24 @@ class HorovodRunner:
                     report.duration_s = round(time.monotonic() - started, 3)
         finally:
             last = self._last
-            if artifact_dir is not None and staging is not None and last is not None:
+            if last is not None:
                 self._commit(artifact_dir, staging, last.channel, last.upload, report, result, sink)
-            if artifact_dir is not None:
-                shutil.rmtree(self._resume_copies(artifact_dir), ignore_errors=True)
+            shutil.rmtree(self._resume_copies(artifact_dir), ignore_errors=True)
+            if self.artifact_dir is None:
+                self._keep_or_remove(artifact_dir, report)
         report.result = result
         return result
+
+    @staticmethod
+    def _keep_or_remove(folder: Path, report: RunReport) -> None:
+        """The end of a run folder the engine chose (no ``artifact_dir``): kept, and said where, when
+        rank 0 left anything in it; else removed (``last_run.artifact_dir`` is then ``None``)."""
+        if folder.is_dir() and holds_something(folder):
+            say("Run %s kept its checkpoints in %s (%d version(s) committed; set artifact_dir= or %s to choose "
+                "the folder)", report.run_id, folder, len(report.checkpoints), RUNS_ROOT_ENV)
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+        report.artifact_dir = None
 
     def _attempts(self, run_id: str, payload: bytes, report: RunReport, staging: Path | None,
                   sink: VersionSink | None, started: float) -> Any:
@@ -229,9 +255,11 @@ class HorovodRunner:
         resume: Path | None = None
         resumed: dict[str, Any] | None = None
         lost_at: float | None = None
+        workers_gone: list[str] = []  # executors whose worker Spark decommissioned in an attempt before (capacity.can_grow)
         for number in itertools.count():
             attempt = self._attempt = self._last = Attempt(self, run_id, payload, report, staging, sink, number=number,
-                                                           resume_from=resume, lost_at=lost_at)
+                                                           resume_from=resume, lost_at=lost_at,
+                                                           workers_gone=workers_gone)
             if number == 0 and attempt.resume_from is not None:
                 resumed = {"path": str(attempt.resume_from)}
             record = AttemptRecord(number=number, np=attempt.np, started_s=round(time.monotonic() - started, 3),
@@ -253,6 +281,7 @@ class HorovodRunner:
                 if self._cancelled.is_set():
                     raise RunCancelledError("The Horovod job was cancelled while it restarted; every rank was stopped.") from err
                 lost_at = attempt.ended_at or time.monotonic()
+                workers_gone = attempt.workers_gone
                 self._await_preempted_version(attempt, sink)
                 resume, resumed = self._resume_point(sink, number + 1)
                 log.warning("Attempt %d of run %s lost its infrastructure (%s); restart %d of max_restarts=%d resumes "
@@ -400,6 +429,15 @@ class HorovodRunner:
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+
+def say(message: str, *args: Any) -> None:
+    """A line the user must see at the end of a run: the log when it shows this module's INFO lines
+    (Airflow's task log, ``logging.basicConfig(level=logging.INFO)``), else stdout (a notebook, a script)."""
+    if log.hasHandlers() and log.isEnabledFor(logging.INFO):
+        log.info(message, *args)
+    else:
+        print(message % args, flush=True)
 
 
 def _name_unverified(err: BaseException, unverified: list[str]) -> None:

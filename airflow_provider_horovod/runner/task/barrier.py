@@ -468,7 +468,8 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
             plan = coordinator.plan(task_facts(ctx, spec, partition, executor, endpoint, task, services), spec)
             prepare(spec, plan, partition, task, services, batches)
             coordinator.ready(plan, spec)
-            with ship_checkpoints(spec, task, rank0=partition == 0):
+            with ship_checkpoints(spec, task, rank0=partition == 0,
+                                  say=lambda text: client.send(messages.Logs(0, [text], callback=True))):
                 failure = launcher.start(spec, plan, partition, task, env, services, client)
         except Stopped:
             pass

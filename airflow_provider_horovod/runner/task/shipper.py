@@ -7,7 +7,9 @@ When a version is complete (the rule of ``runtime.checkpoint_dir()``):
   final name and closed (inotify; a folder that looks unchanged for one poll where inotify is
   missing); or
 * once the run has called ``runtime.commit_checkpoint()``, only its calls make versions: each
-  call hard-links the folder as it is into ``commits/<n>`` in the task folder.
+  call hard-links the folder as it is into ``commits/<n>`` in the task folder. That switch is never
+  silent: a file completed after it that no call takes within ``UNCOMMITTED_WARN_S`` (or by the
+  task's end) is named in a warning on the driver (``uncommitted_warning``).
 
 One thread in rank 0's barrier task (``ship_checkpoints``) hard-links the changed files into the
 task's ``outbox`` and sends them over the run's authenticated channel (``put-version``), one
@@ -31,7 +33,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ from airflow_provider_horovod.runner.records import CommitRequest
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
+UNCOMMITTED_WARN_S = 30.0  # how long a save may stay in no version, in a run that calls commit_checkpoint, before rank 0's task says so
 STOP_WAIT_S = 0.5  # at the run's end, how long a version in flight may still finish (the final hand-over has it all)
 Stat = tuple[int, int, int]  # size, mtime_ns, inode
 
@@ -154,12 +157,35 @@ class FolderWatch:
             self._fd = -1
 
 
+def uncommitted_warning(files: list[str], waited_s: float | None, newest_step: int | None) -> str:
+    """What rank 0's task says when, in a run that calls ``commit_checkpoint()``, ``files`` were saved
+    ``waited_s`` ago (``None``: the task ends) and no call has made them a version."""
+    shown = ", ".join(files[:5]) + (", ... (%d files)" % len(files) if len(files) > 5 else "")
+    newest = "the version committed at step %s" % newest_step if newest_step is not None else "its newest version"
+    if waited_s is None:
+        when, then = ("and the attempt ends without a runtime.commit_checkpoint() call after it",
+                      "only the attempt's final hand-over (checkpoints/) brings it back; a restart resumes from %s"
+                      % newest)
+    else:
+        when, then = ("%.0f s ago and has not called runtime.commit_checkpoint() since" % waited_s,
+                      "a restart or a retry resumes from %s" % newest)
+    return ("WARNING: rank 0 saved %s in runtime.checkpoint_dir() %s. This run calls commit_checkpoint(), so only its "
+            "calls make checkpoint versions and no version holds this save: %s. Call runtime.commit_checkpoint() "
+            "after each save (docs/runtime.md, the commit rule)." % (shown, when, then))
+
+
 # -- shipping -----------------------------------------------------------------------------------
 class Shipper(threading.Thread):
     """Ships rank 0's checkpoint versions to the driver, one at a time, until ``stop``."""
 
-    def __init__(self, channel: tuple[str, int], secret: bytes, task: names.TaskDir) -> None:
+    def __init__(self, channel: tuple[str, int], secret: bytes, task: names.TaskDir,
+                 say: Callable[[str], None] | None = None) -> None:
         super().__init__(name="hvdrunner-checkpoint-shipper", daemon=True)
+        self._say = say or (lambda text: log.warning("%s", text))  # a warning that must reach the driver's log
+        self._committed: dict[str, Stat] = {}  # the files of the newest commit_checkpoint snapshot
+        self._newest_step: int | None = None
+        self._saved_at: float | None = None  # a file completed after the newest snapshot (monotonic)
+        self._warned = False
         self.task = task
         self.folder = task.artifacts / names.CHECKPOINTS_DIR
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -178,10 +204,15 @@ class Shipper(threading.Thread):
             dirty |= self._watch.wait(POLL_S)
             commit = self._take_commit()
             if commit is not None:
+                dirty = False  # the snapshot holds every file completed before the call
                 self._ship_commit(commit)
             elif dirty and not self._explicit():
                 dirty = False
                 self._ship_folder()
+            elif dirty:
+                dirty = False
+                self._saved_at = self._saved_at or time.monotonic()
+            self._check_uncommitted(time.monotonic(), ending=False)
         self._watch.close()
 
     def stop(self) -> None:
@@ -193,6 +224,30 @@ class Shipper(threading.Thread):
             with contextlib.suppress(OSError):
                 self._conn.sock.shutdown(socket.SHUT_RDWR)
             self.join(STOP_WAIT_S)
+        self._check_uncommitted(time.monotonic(), ending=True)
+
+    def _uncommitted(self) -> list[str]:
+        """The finished files of the live folder that the newest ``commit_checkpoint`` snapshot (one
+        not yet taken included) lacks or holds otherwise (a file deleted since loses nothing)."""
+        committed = self._committed
+        with contextlib.suppress(OSError):
+            pending = sorted(p for p in (self.task.path / names.COMMITS_DIR).iterdir() if p.name.isdigit())
+            committed = file_stats(pending[-1]) if pending else committed
+        return sorted(rel for rel, st in file_stats(self.folder).items() if committed.get(rel) != st)
+
+    def _check_uncommitted(self, now: float, *, ending: bool) -> None:
+        """Once per attempt: say so when a run that calls ``commit_checkpoint`` saved files that no
+        call took within ``UNCOMMITTED_WARN_S``, or by the task's end."""
+        if self._warned or not self._explicit():
+            return
+        if not ending and (self._saved_at is None or now - self._saved_at < UNCOMMITTED_WARN_S):
+            return
+        files = self._uncommitted()
+        if not files:
+            self._saved_at = None
+            return
+        self._warned = True
+        self._say(uncommitted_warning(files, None if ending else now - self._saved_at, self._newest_step))
 
     def _explicit(self) -> bool:
         return (self.task.path / names.COMMITS_DIR).is_dir()
@@ -208,6 +263,7 @@ class Shipper(threading.Thread):
                 os.rename(pending[-1], self.outbox)
                 request = CommitRequest.from_json(json.loads((self.outbox / CommitRequest.FILE).read_text()))
                 (self.outbox / CommitRequest.FILE).unlink()
+                self._committed, self._newest_step, self._saved_at = file_stats(self.outbox), request.step, None
                 return request
         return None
 
@@ -254,13 +310,15 @@ class Shipper(threading.Thread):
 
 
 @contextlib.contextmanager
-def ship_checkpoints(spec: Any, task: names.TaskDir, *, rank0: bool) -> Iterator[Shipper | None]:
+def ship_checkpoints(spec: Any, task: names.TaskDir, *, rank0: bool,
+                     say: Callable[[str], None] | None = None) -> Iterator[Shipper | None]:
     """On rank 0's task, checkpoint versions go to the driver while the body runs (a ``RunSpec``
-    that collects artifacts over a channel; nothing otherwise)."""
+    that collects artifacts over a channel; nothing otherwise). ``say``: how a warning of the
+    shipper's reaches the driver's log (this process's log by default)."""
     if not (rank0 and spec.collect_artifacts and spec.channel is not None):
         yield None
         return
-    shipper = Shipper(spec.channel, spec.secret, task)
+    shipper = Shipper(spec.channel, spec.secret, task, say)
     shipper.start()
     try:
         yield shipper

@@ -48,6 +48,7 @@ def test_templated_fields_render_from_the_context():
     ("max_artifact_files", 2.5, "max_artifact_files must be a positive int"),
     ("max_restarts", -1, "max_restarts must be an int >= 0"),
     ("min_np", 3, "min_np=3 is more than np=2"),
+    ("last_call", -1, "last_call must be a number of seconds >= 0"),
 ])
 def test_engine_options_are_checked_when_the_dag_is_parsed(option, value, message):
     with pytest.raises(ValueError, match=message):
@@ -201,6 +202,20 @@ def test_restarts_are_on_by_default_in_the_operator_and_min_np_is_templated_and_
     assert validate_min_np(op.min_np, 4) == 2
     with pytest.raises(ValueError, match="min_np must render to an int; got 'two'"):
         validate_min_np("two", 4)
+    assert op.last_call == 30.0  # a restart with min_np slots waits this long for the rest
+
+
+def test_task_horovod_takes_a_last_call_for_its_restarts():
+    with DAG("d", schedule=None) as dag:
+
+        @task.horovod(np=4, min_np=2, last_call=5)
+        def fit():
+            return 1
+
+        fit()
+
+    (op,) = dag.tasks
+    assert op.last_call == 5.0
 
 
 def test_dataset_query_is_templated_and_reaches_task_horovod():

@@ -4,6 +4,8 @@ tests/integration/test_restarts.py and tests/integration/test_cluster.py."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from airflow_provider_horovod import HorovodRunner
@@ -11,9 +13,11 @@ from airflow_provider_horovod.runner.driver.restarts import (
     AttemptRecord,
     Ending,
     RestartPolicy,
+    RestartSize,
     attempts_text,
     ending_of,
 )
+from airflow_provider_horovod.runner.driver.capacity import can_grow, worker_decommissioned
 from airflow_provider_horovod.runner.driver.supervisor import Supervisor
 from airflow_provider_horovod.runner.events import Failure, JobEnded, RankFailed, TaskLost
 from airflow_provider_horovod.runner.options import check_restarts
@@ -80,10 +84,46 @@ def test_restarts_stop_at_max_restarts_and_none_by_default():
     assert not RestartPolicy().restarts(Ending.LOST, 0)
 
 
-def test_the_next_attempt_runs_on_np_or_on_what_came_back_down_to_min_np():
+def size(policy: RestartPolicy, slots: int | None, *, waited: float = 0.0, minimum_for: float | None = None,
+         can_grow: bool = True, np: int = 4) -> RestartSize:
+    return policy.restart_size(np, slots, waited_s=waited, minimum_for_s=minimum_for, can_grow=can_grow,
+                               start_timeout_s=120.0)
+
+
+def test_a_restart_with_np_slots_or_a_session_that_cannot_count_them_starts_at_once_on_np():
     policy = RestartPolicy(max_restarts=1, min_np=2)
-    assert [policy.next_np(4, slots) for slots in (None, 5, 4, 3, 2, 1)] == [4, 4, 4, 3, 2, None]
-    assert RestartPolicy(max_restarts=1).next_np(4, 3) is None  # min_np defaults to np: never fewer
+    assert [size(policy, slots).np for slots in (None, 5, 4)] == [4, 4, 4]
+
+
+def test_a_restart_with_min_np_slots_waits_the_last_call_for_the_rest_not_start_timeout():
+    policy = RestartPolicy(max_restarts=1, min_np=2, last_call_s=30.0)
+    assert size(policy, 3, waited=5.0, minimum_for=5.0) == RestartSize()  # waits
+    assert size(policy, 3, waited=31.0, minimum_for=29.9) == RestartSize()  # the minimum came 1.1 s in
+    assert size(policy, 3, waited=40.0, minimum_for=30.0) == RestartSize(np=3, why="no more came within last_call=30s")
+    assert size(policy, 2, waited=30.0, minimum_for=30.0).np == 2
+    # a last call longer than what is left of start_timeout ends with it
+    assert size(RestartPolicy(min_np=2, last_call_s=600.0), 3, waited=120.0, minimum_for=60.0).np == 3
+
+
+def test_a_restart_on_a_cluster_that_cannot_gain_slots_starts_at_once_on_min_np_or_fails_at_once_below():
+    policy = RestartPolicy(max_restarts=1, min_np=2)
+    assert size(policy, 3, minimum_for=0.0, can_grow=False) == RestartSize(np=3, why="the cluster cannot gain slots")
+    assert size(policy, 1, can_grow=False) == RestartSize(fail=True, why="the cluster cannot gain slots")
+
+
+def test_a_restart_below_min_np_waits_start_timeout_then_fails_and_min_np_defaults_to_np():
+    policy = RestartPolicy(max_restarts=1, min_np=2)
+    assert size(policy, 1, waited=119.0) == RestartSize()
+    assert size(policy, 1, waited=120.0).fail
+    never_fewer = RestartPolicy(max_restarts=1)  # min_np defaults to np: the last call never starts fewer
+    assert size(never_fewer, 3, waited=100.0, minimum_for=None) == RestartSize()
+    assert size(never_fewer, 3, waited=120.0).fail
+
+
+@pytest.mark.parametrize("last_call", [-1, True, float("inf"), "30"])
+def test_a_bad_last_call_is_refused_when_the_runner_is_made(last_call):
+    with pytest.raises(ValueError, match="last_call must be a number of seconds >= 0"):
+        HorovodRunner(2, max_restarts=1, min_np=1, last_call=last_call)
 
 
 def test_the_error_after_restarts_names_every_attempt_and_why_it_ended():
@@ -110,3 +150,18 @@ def test_bad_restart_options_are_refused_when_the_runner_is_made(max_restarts, m
         check_restarts(max_restarts, min_np, np)
     with pytest.raises(ValueError, match=words):
         HorovodRunner(np, max_restarts=max_restarts, min_np=min_np)
+
+
+class _Session:
+    """What ``capacity`` reads of a session: its master (YARN and Kubernetes cannot run here)."""
+
+    def __init__(self, master: str) -> None:
+        self.sparkContext = types.SimpleNamespace(master=master)
+
+
+def test_the_missing_slots_cannot_come_on_a_local_master_nor_from_a_standalone_worker_spark_decommissioned():
+    assert not can_grow(_Session("local[2]"), [])
+    assert can_grow(_Session("spark://127.0.0.1:7077"), [])  # a worker that died without notice may come back
+    assert not can_grow(_Session("spark://127.0.0.1:7077"), ["3"])  # its worker decommissioned with executor 3
+    assert can_grow(_Session("yarn"), ["3"]) and can_grow(_Session("k8s://https://api:6443"), ["3"])  # new nodes
+    assert not worker_decommissioned(_Session("spark://127.0.0.1:7077"), "3")  # a session that cannot say: no

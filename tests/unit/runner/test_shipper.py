@@ -37,7 +37,7 @@ def run(tmp_path, monkeypatch):
     """A driver (channel + version sink into ``artifacts``) and rank 0's task folder with its shipper."""
 
     class Run:
-        def __init__(self, keep: int = 2, on_commit=None) -> None:
+        def __init__(self, keep: int = 2, on_commit=None, say=None) -> None:
             self.artifacts = tmp_path / "artifacts"
             self.artifacts.mkdir()
             secret = wire.new_secret()
@@ -46,7 +46,7 @@ def run(tmp_path, monkeypatch):
             address = self.channel.start("127.0.0.1")
             self.task = names.TaskDir(tempfile.mkdtemp(prefix=names.TASK_DIR_PREFIX % ("abc123", "p0", os.getpid())))
             self.channel.expect_artifacts_from(self.task.path)
-            self.shipper = shipper.Shipper(address, secret, self.task)
+            self.shipper = shipper.Shipper(address, secret, self.task, say)
             self.folder = self.shipper.folder
             monkeypatch.setenv(names.ENV_TASK_DIR, str(self.task.path))
             monkeypatch.setenv(names.ENV_RANK, "0")
@@ -99,6 +99,60 @@ def test_commit_checkpoint_makes_the_only_versions_once_called_with_step_and_met
     write_renamed(r.folder, "weights.bin", b"w2-half-of-a-pair")  # no commit call: no version
     time.sleep(1.0)
     assert len(versions.committed(r.artifacts)) == count
+
+
+def test_a_save_no_commit_checkpoint_takes_in_a_run_that_calls_it_is_named_in_a_warning_within_the_grace(
+        run, monkeypatch):
+    """The run commits once at the start, then saves the rename rule's way: on main's code no version
+    holds those saves and nothing says so (a restart resumes from the start's version)."""
+    monkeypatch.setattr(shipper, "UNCOMMITTED_WARN_S", 1.0)
+    said: list[str] = []
+    r = run(say=said.append)
+    write_renamed(r.folder, "step.txt", b"0")  # before the call, the rename may make a version of its own
+    runtime.commit_checkpoint(step=0)
+    wait_for(lambda: [v.step for v in r.committed()][-1:] == [0])
+    time.sleep(1.5)
+    assert said == []  # every save so far is in a version
+    write_renamed(r.folder, "step.txt", b"1")  # the how-to's way, with no call after it
+    started = time.monotonic()
+    wait_for(lambda: said, timeout=10)
+    assert 0.8 <= time.monotonic() - started < 5.0  # the grace, then the next poll
+    (text,) = said
+    assert text.startswith("WARNING: rank 0 saved step.txt in runtime.checkpoint_dir() 1 s ago and has not called "
+                           "runtime.commit_checkpoint() since. This run calls commit_checkpoint(), so only its calls "
+                           "make checkpoint versions and no version holds this save: a restart or a retry resumes "
+                           "from the version committed at step 0. Call runtime.commit_checkpoint() after each save")
+    assert [v.step for v in r.committed()][-1:] == [0]
+
+
+def test_a_save_committed_within_the_grace_is_no_warning_and_one_left_at_the_attempts_end_is(run, monkeypatch):
+    monkeypatch.setattr(shipper, "UNCOMMITTED_WARN_S", 1.0)
+    said: list[str] = []
+    r = run(say=said.append)
+    for step in range(3):
+        write_renamed(r.folder, "step.txt", str(step).encode())
+        time.sleep(0.5)  # a save that takes a while: the call comes after it
+        runtime.commit_checkpoint(step=step)
+    wait_for(lambda: [v.step for v in r.committed()][-1:] == [2])
+    time.sleep(1.5)
+    assert said == []
+    write_renamed(r.folder, "final.pt", b"model")
+    r.shipper.stop()  # the attempt ends before the grace is over
+    (text,) = said
+    assert "saved final.pt in runtime.checkpoint_dir() and the attempt ends without a runtime.commit_checkpoint() " \
+           "call after it" in text and "a restart resumes from the version committed at step 2" in text
+
+
+def test_a_run_that_never_calls_commit_checkpoint_is_never_warned_about_its_saves(run, monkeypatch):
+    monkeypatch.setattr(shipper, "UNCOMMITTED_WARN_S", 0.2)
+    said: list[str] = []
+    r = run(say=said.append)
+    write_renamed(r.folder, "model.pt", b"m")
+    wait_for(lambda: r.committed())
+    (r.folder / "optimizer.pt").write_bytes(b"written under its final name and closed: a version too")
+    time.sleep(0.6)
+    r.shipper.stop()
+    assert said == []
 
 
 def test_a_writer_faster_than_the_link_is_coalesced_and_rank_0_holds_at_most_two_versions(run):

@@ -129,6 +129,14 @@ class Plan:
         return cls(tuple(slots))
 
 
+LOCAL_EXECUTOR = "driver"  # the executor id of every rank of an ``np < 0`` run (the driver's own processes)
+
+
+def host_identity(index: int) -> str:
+    """The host name Horovod and mpirun are given for the plan's ``index``-th executor (``hvdhost0``, ...)."""
+    return "hvdhost%d" % index
+
+
 def make_plan(facts: list[TaskFacts]) -> Plan:
     """Assign ranks to barrier tasks.
 
@@ -140,7 +148,7 @@ def make_plan(facts: list[TaskFacts]) -> Plan:
     by_executor: dict[str, list[TaskFacts]] = {}
     for f in sorted(facts, key=lambda f: f.partition):
         by_executor.setdefault(f.executor, []).append(f)
-    assignments = host_assignments([("hvdhost%d" % i, len(tasks)) for i, tasks in enumerate(by_executor.values())])
+    assignments = host_assignments([(host_identity(i), len(tasks)) for i, tasks in enumerate(by_executor.values())])
     ordered = [f for tasks in by_executor.values() for f in tasks]
     slots = []
     for info, f in zip(assignments, ordered):

@@ -58,7 +58,7 @@ from airflow_provider_horovod.runner.driver.supervisor import (
 )
 from airflow_provider_horovod.runner.environment import stack_of_this_host
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RanksInspected, RunReport
-from airflow_provider_horovod.runner.plan import Plan, TaskFacts, make_plan, slot_summary
+from airflow_provider_horovod.runner.plan import LOCAL_EXECUTOR, Plan, TaskFacts, host_identity, make_plan, slot_summary
 from airflow_provider_horovod.runner.readiness import shm_warnings
 from airflow_provider_horovod.runner.stall import stall_in
 from airflow_provider_horovod.runner.task import rank_states
@@ -222,7 +222,8 @@ class Attempt:
     def _run_local(self, spec: RunSpec, channel: Channel, events: queue.Queue) -> Supervisor:
         spec = dataclasses.replace(spec, channel=channel.start("127.0.0.1"))
         self.report.coordination = "local"
-        sup = Supervisor(0, coordinated=False, planner=make_plan, deadlines=self.runner.deadlines, now=time.monotonic())
+        sup = Supervisor(0, coordinated=False, planner=make_plan, deadlines=self.runner.deadlines, now=time.monotonic(),
+                         here=(host_identity(0), LOCAL_EXECUTOR))
         task = names.TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "local", os.getpid())))
         channel.expect_artifacts_from(task.path)  # the one folder the driver copies artifacts from
         _in_thread("hvdrunner-local", lambda: run_local(spec, -self.np, task), events)

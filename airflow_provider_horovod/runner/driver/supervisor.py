@@ -131,8 +131,9 @@ class Supervisor:
     """
 
     def __init__(self, np: int, *, coordinated: bool, planner: Callable[[list[TaskFacts]], Plan],
-                 deadlines: Deadlines, now: float) -> None:
+                 deadlines: Deadlines, now: float, here: tuple[str, str] | None = None) -> None:
         self.np = np
+        self.here = here  # (host, executor) of every rank when the run has no plan of ours (np < 0: the driver)
         self.coordinated = coordinated
         self.deadlines = deadlines
         self._planner = planner
@@ -275,8 +276,10 @@ class Supervisor:
         """A rank's failure with the host and executor the plan gave that rank: a rank's report says
         nothing of where it ran (``Failure.told_by_rank``), and a stall's names the host the rank's
         beats gave (issue 49)."""
-        if failure.rank is None or self.plan is None:
+        if failure.rank is None:
             return failure
+        if self.plan is None:  # np < 0: every rank runs on the driver, whichever way its report came
+            return failure if self.here is None else failure.placed(*self.here)
         slot = next((s for s in self.plan.slots if s.rank == failure.rank), None)
         return failure if slot is None else failure.placed(slot.hostname, slot.executor)
 

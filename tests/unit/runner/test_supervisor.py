@@ -186,6 +186,16 @@ def test_a_run_without_the_channel_ends_with_its_job():
     assert sup.done and sup.job_ended.value == b"x"
 
 
+def test_a_rank_failure_of_a_run_on_the_driver_is_placed_on_the_driver_whichever_way_it_came():
+    # np < 0: the supervisor has no plan; a rank's report over the channel says nothing of where it ran
+    # (issue 49), and its error file is placed by the local plan: both read the same (no race in the words)
+    sup = Supervisor(0, coordinated=False, planner=make_plan, deadlines=D, now=0.0, here=("hvdhost0", "driver"))
+    sup.handle(RankFailed(Failure("Rank 1 failed: ValueError: x", rank=1, exception="ValueError: x")), 1.0)
+    failure = sup.failures[0]
+    assert (failure.host, failure.executor) == ("hvdhost0", "driver")
+    assert failure.message == "Rank 1 on host hvdhost0 (executor driver) failed: ValueError: x"
+
+
 def test_next_wakeup_is_the_nearest_deadline_and_never_long():
     sup = launched()
     assert sup.next_wakeup(1.0) == 1.0

@@ -4,7 +4,7 @@
 The driver checks its own before Spark starts (``require_training_stack``: a light install, or
 Horovod as PyPI's sdist builds it, fails there with the command that fixes it); every barrier task
 reports its own in its facts and the plan is refused when an executor's differs from the driver's
-(``barrier.check_facts``).
+(``readiness.check_facts``).
 """
 
 from __future__ import annotations

@@ -8,17 +8,25 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from airflow_provider_horovod.exceptions import ArtifactError, DatasetError, Keras3NotSupportedError, PayloadError
+from airflow_provider_horovod.exceptions import (
+    ArtifactError,
+    DatasetError,
+    Keras3NotSupportedError,
+    PayloadError,
+    TorchStoreError,
+    WrongLauncherError,
+)
 from airflow_provider_horovod.runner.options import Launcher
 
 if TYPE_CHECKING:  # the operator and the store read run reports without importing Horovod
     from airflow_provider_horovod.runner.plan import TaskFacts
 
 
-# The provider's exceptions a rank raises (runtime, payload, Keras guard, dataset shard): the only
+# The provider's exceptions a rank raises (runtime, payload, Keras and Horovod guards, dataset shard, torch store): the only
 # ``error_class`` a rank's report may name. The others decide retries and restarts (InsufficientSlotsError
 # is retried, StallError is the driver's): a rank claiming one is a plain failure of its own.
-RANK_ERROR_CLASSES = frozenset(c.__name__ for c in (PayloadError, Keras3NotSupportedError, DatasetError, ArtifactError))
+RANK_ERROR_CLASSES = frozenset(c.__name__ for c in (PayloadError, Keras3NotSupportedError, DatasetError, ArtifactError,
+                                                   WrongLauncherError, TorchStoreError))
 
 
 @dataclasses.dataclass(frozen=True)

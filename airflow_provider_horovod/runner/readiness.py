@@ -24,6 +24,10 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from airflow_provider_horovod.exceptions import ExecutorMismatchError
+from airflow_provider_horovod.runner.environment import stack_differences
+from airflow_provider_horovod.runner.events import Failure
+
 if TYPE_CHECKING:
     from airflow_provider_horovod.runner.plan import TaskFacts
 
@@ -85,3 +89,26 @@ def size_text(size: int) -> str:
     if size >= 1024 * MIB:
         return "%.3g GiB" % (size / (1024 * MIB))
     return "%.3g MiB" % (size / MIB)
+
+
+def check_facts(driver_python: str, facts: list[TaskFacts], driver_stack: dict[str, str] | None = None) -> Failure | None:
+    """Why an executor cannot run the job, in words that say what to fix; None when all can.
+    ``driver_stack``: the driver's ``environment.stack_of_this_host()``, which every executor's must equal."""
+    driver_mm = ".".join(driver_python.split(".")[:2])
+    for f in facts:
+        differences = stack_differences(driver_stack or {}, f.stack)
+        if differences:
+            return Failure("The executor %s (partition %d) runs another environment than the driver: %s. Give the "
+                           "executors the driver's environment (a packed virtualenv in spark.archives, or the same "
+                           "image; see docs/how-to.md)." % (f.executor, f.partition, "; ".join(differences)),
+                           executor=f.executor, error_class=ExecutorMismatchError.__name__)
+        if ".".join(f.python.split(".")[:2]) != driver_mm:
+            return Failure("Python %s on executor %s differs from the driver's %s. Point PYSPARK_PYTHON at the "
+                           "same Python version on the driver and the executors." % (f.python, f.executor, driver_python),
+                           executor=f.executor, error_class=ExecutorMismatchError.__name__)
+        if f.missing:
+            return Failure("%s not found on executor %s (PATH of the task). Install Open MPI on every executor "
+                           "(apt-get install openmpi-bin), or use launcher='gloo'." % (" and ".join(f.missing), f.executor),
+                           executor=f.executor, error_class=ExecutorMismatchError.__name__)
+    refusal = shm_refusal(facts)
+    return Failure(refusal) if refusal is not None else None

@@ -15,7 +15,8 @@ from airflow_provider_horovod.plugins import store as view_store
 from airflow_provider_horovod.runner.driver import artifact_dir
 from airflow_provider_horovod.runner import transfer, names
 from airflow_provider_horovod.runner.records import Layout
-from airflow_provider_horovod.runner.task.barrier import RunSpec, upload_artifacts
+from airflow_provider_horovod.runner.spec import RunSpec
+from airflow_provider_horovod.runner.task.barrier import upload_artifacts
 from tests.integration import jobs
 
 

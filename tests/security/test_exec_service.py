@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.task.barrier import WORKER
+from airflow_provider_horovod.runner.launchers.processes import WORKER
 from airflow_provider_horovod.runner.launchers.mpirun import ExecService, OrtedRefused, agent_command, check_orted, mpirun_argv, orted_argv
 from airflow_provider_horovod.runner.plan import Plan
 from tests.plans import loopback_plan

@@ -23,7 +23,7 @@ from airflow_provider_horovod.runner.driver.supervisor import Deadlines, Supervi
 from airflow_provider_horovod.runner.events import Failure, FactsReported, RankBeat, RankFailed, TaskReady
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.plan import make_plan
-from airflow_provider_horovod.runner.task.barrier import TaskFailure, failure_blob, parse_failure, rank_exit_failure
+from airflow_provider_horovod.runner.exits import TaskFailure, failure_blob, parse_failure, rank_exit_failure
 from tests.plans import task_facts
 from tests.security.attacker import SECRET, hung_up, settle
 

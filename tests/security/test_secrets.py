@@ -13,7 +13,7 @@ import pytest
 
 from airflow_provider_horovod import HorovodRunner, RunCancelledError
 from airflow_provider_horovod.runner import wire
-from airflow_provider_horovod.runner.task.barrier import RunSpec
+from airflow_provider_horovod.runner.spec import RunSpec
 from tests.conftest import ours, run_processes
 from tests.integration.test_runner import train_in_background
 

@@ -59,17 +59,12 @@ from airflow_provider_horovod.runner.driver.supervisor import (
 from airflow_provider_horovod.runner.environment import stack_of_this_host
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RanksInspected, RunReport
 from airflow_provider_horovod.runner.plan import LOCAL_EXECUTOR, Plan, TaskFacts, host_identity, make_plan, slot_summary
-from airflow_provider_horovod.runner.readiness import shm_warnings
+from airflow_provider_horovod.runner.exits import ERROR_MARKER, TaskFailure, parse_failure
+from airflow_provider_horovod.runner.readiness import check_facts, shm_warnings
+from airflow_provider_horovod.runner.spec import RunSpec
 from airflow_provider_horovod.runner.stall import stall_in
 from airflow_provider_horovod.runner.task import rank_states
-from airflow_provider_horovod.runner.task.barrier import (
-    ERROR_MARKER,
-    RunSpec,
-    TaskFailure,
-    check_facts,
-    parse_failure,
-    run_local,
-)
+from airflow_provider_horovod.runner.task.barrier import run_local
 from airflow_provider_horovod.runner.text import one_line, quoted, quoted_text
 from airflow_provider_horovod.runner.versions import VersionSink
 

@@ -84,7 +84,7 @@ def task_entry(spec: bytes, marker: str, run: str, found: tuple[str, ...] = FOUN
     """The barrier stage's function. It is pickled by value and holds nothing of this package
     (``spec`` is the pickled ``RunSpec``), so Spark's worker unpickles it on any executor; the task
     then checks its imports before anything else and fails with ``MISSING_TEXT`` inside ``marker``
-    (read by ``barrier.parse_failure``) when one is missing. ``run`` names the function of
+    (read by ``exits.parse_failure``) when one is missing. ``run`` names the function of
     ``runner.task.barrier`` that runs the task; ``found``: the modules its ranks import (``needed_modules``)."""
     imported, text, needs = IMPORTED, MISSING_TEXT, needs_text(found)
 
@@ -107,7 +107,7 @@ def task_entry(spec: bytes, marker: str, run: str, found: tuple[str, ...] = FOUN
             python = "%s (Python %s)" % (sys.executable, platform.python_version())
             message = text % (host, python, err.name or "a module", err, needs)
             raw = {"message": message, "host": host, "error_class": "ExecutorMismatchError",
-                   "exception": "%s: %s" % (type(err).__name__, err)}  # as barrier.failure_blob writes it
+                   "exception": "%s: %s" % (type(err).__name__, err)}  # as exits.failure_blob writes it
             raise RuntimeError(marker + base64.b64encode(json.dumps(raw).encode()).decode() + marker) from None
         yield from getattr(modules[0], run)(spec, batches)
 

@@ -13,8 +13,14 @@ functions; the task side (``barrier.py``) and the driver's local ranks call them
   of the run, to its end (its own rank, or ``mpirun`` for every host);
 - ``start_local(spec, plan, task, env) -> Failure | None``: ``np < 0``, every rank on the driver.
 
-A rank's environment contract lives in its launcher's module, nowhere else: ``slot_env`` under Gloo
-and torch; under mpirun, MPI's own (``OMPI_COMM_WORLD_*``, set by ``orted``) and ``host_env``.
+What the launchers share on a host (``WORKER``, ``run_rank_processes``, ``run_reaped``,
+``hand_over_key``) is ``processes.py``; a launcher imports nothing of the task side or the driver.
+
+A rank's environment contract is set in its launcher's module, nowhere else: ``slot_env`` under Gloo
+and torch; under mpirun, MPI's own (``OMPI_COMM_WORLD_*``, set by ``orted``) and ``host_env``. Its
+names are still read outside ``launchers/`` where a process asks which rank it is or runs:
+``rank/worker.py`` (``_rank``, mpirun's output forwarding), ``rank/horovod_guard.py``,
+``task/rank_states.py``, ``procs.py`` (orted's session folder) and ``runtime.py``.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPSer
 
 from airflow_provider_horovod.runner import wire
 from airflow_provider_horovod.runner.events import Failure
-from airflow_provider_horovod.runner.task.barrier import run_rank_processes
 from airflow_provider_horovod.runner.launchers import Services
+from airflow_provider_horovod.runner.launchers.processes import run_rank_processes
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.network import LOOPBACK
 from airflow_provider_horovod.runner.plan import SLOT_INFO_FIELDS, Plan, Slot

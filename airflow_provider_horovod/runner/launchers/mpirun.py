@@ -31,8 +31,9 @@ from pathlib import Path
 
 from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.events import Failure
-from airflow_provider_horovod.runner.task.barrier import WORKER, exit_text, hand_over_key, read_error_file, run_reaped, tail, where
+from airflow_provider_horovod.runner.exits import exit_text, read_error_file, tail, where
 from airflow_provider_horovod.runner.launchers import Services
+from airflow_provider_horovod.runner.launchers.processes import WORKER, hand_over_key, run_reaped
 from airflow_provider_horovod.runner.messages import LaunchOrted, OrtedExited, OrtedStarted
 from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, TaskDir, new_temp_dir
 from airflow_provider_horovod.runner.plan import Plan

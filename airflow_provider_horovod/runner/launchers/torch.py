@@ -38,8 +38,8 @@ from airflow_provider_horovod.exceptions import TorchStoreError
 
 from airflow_provider_horovod.runner import names
 from airflow_provider_horovod.runner.events import Failure
-from airflow_provider_horovod.runner.task.barrier import run_rank_processes
 from airflow_provider_horovod.runner.launchers import Services
+from airflow_provider_horovod.runner.launchers.processes import run_rank_processes
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.network import LOOPBACK
 from airflow_provider_horovod.runner.plan import Plan, Slot

@@ -178,7 +178,7 @@ def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
     """Write and send this rank's failure: its exception, traceback and last lines."""
     from airflow_provider_horovod.exceptions import provider_class_name
     from airflow_provider_horovod.runner.events import Failure
-    from airflow_provider_horovod.runner.task.barrier import where
+    from airflow_provider_horovod.runner.exits import where
 
     text = traceback.format_exc()
     sys.stderr.write(text)

@@ -1,8 +1,9 @@
 """The task side: what each Spark barrier task runs, in named phases (report, plan, prepare, start,
-run, finish), and what every launcher's host side shares (the run's spec and base environment, the
-keys handed to the ranks, starting rank processes and explaining their exits, handing rank 0's
-artifacts and result back). What a task serves and starts for its launcher is the launcher's
-(``runner/launchers/``); the rank process itself is ``runner/rank/worker.py``.
+run, finish): the base environment of the host's processes, the keys handed to the ranks, handing
+rank 0's artifacts and result back. What a task serves and starts for its launcher is the launcher's
+(``runner/launchers/``, with what they share in ``launchers/processes.py``); the run's spec is
+``runner/spec.py``; how a rank's exit reads and how a failure crosses Spark is ``runner/exits.py``;
+the facts check is ``runner/readiness.py``; the rank process itself is ``runner/rank/worker.py``.
 
 The driver coordinates the phases over its channel (``ChannelCoordinator``): no Spark
 ``allGather``/``barrier`` (which poll once a second) sits on the critical path. Only when the
@@ -12,73 +13,37 @@ The launcher's ``start_local`` runs the ranks on the driver for ``np < 0`` (``ru
 
 from __future__ import annotations
 
-import base64
-import binascii
-import contextlib
-import dataclasses
 import json
 import logging
 import os
 import platform
-import queue
 import shutil
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import traceback
-from collections import deque
-from collections.abc import Callable, Iterable
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
-from airflow_provider_horovod.exceptions import ExecutorMismatchError
 from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.transfer import fetch_resume
 from airflow_provider_horovod.runner.client import ChannelClient
-from airflow_provider_horovod.runner.dataset import DatasetSpec, spill
-from airflow_provider_horovod.runner.environment import stack_differences, stack_of_this_host
+from airflow_provider_horovod.runner.dataset import spill
+from airflow_provider_horovod.runner.environment import stack_of_this_host
 from airflow_provider_horovod.runner.events import Failure
+from airflow_provider_horovod.runner.exits import TaskFailure, rank_tails
 from airflow_provider_horovod.runner.launchers import Services, launcher_of
+from airflow_provider_horovod.runner.launchers.processes import hand_over_key
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.network import LOOPBACK, Endpoint, endpoint_of, task_endpoint
-from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, Launcher
 from airflow_provider_horovod.runner.rank import preemption
-from airflow_provider_horovod.runner.plan import Plan, Slot, TaskFacts, make_plan
+from airflow_provider_horovod.runner.plan import LOCAL_EXECUTOR, Plan, Slot, TaskFacts, make_plan
 from airflow_provider_horovod.runner.rank.keras_guard import LEGACY_KERAS_ENV
-from airflow_provider_horovod.runner.readiness import shm_of_this_host, shm_refusal
+from airflow_provider_horovod.runner.readiness import check_facts, shm_of_this_host
+from airflow_provider_horovod.runner.spec import RunSpec
 from airflow_provider_horovod.runner.task import rank_states
 from airflow_provider_horovod.runner.task.shipper import ship_checkpoints
 from airflow_provider_horovod.runner.task.termination import SigtermNotice
 
-WORKER = [sys.executable, "-m", "airflow_provider_horovod.runner.rank.worker"]
-
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSpec:
-    """Everything a barrier task needs; pickled into the task's closure (never shown in Spark's UI)."""
-
-    run_id: str
-    secret: bytes = dataclasses.field(repr=False)
-    payload: bytes = dataclasses.field(repr=False)
-    launcher: Launcher
-    verbosity: str
-    channel: tuple[str, int] | None
-    env: dict[str, str] = dataclasses.field(repr=False)
-    driver_python: str
-    driver_stack: dict[str, str] = dataclasses.field(default_factory=dict)  # environment.stack_of_this_host()
-    gloo_timeout_s: int = 60
-    stall_timeout_s: int = int(DEFAULT_STALL_TIMEOUT_S)  # Horovod's stall shutdown (``stall.stall_env``)
-    timeline: bool = False
-    collect_artifacts: bool = False
-    has_resume: bool = False
-    resume_local: str | None = None  # np < 0: the folder itself, on the driver
-    dataset: DatasetSpec | None = None  # dataset=: each task spills its partition for its rank
-    attempt: int = 0  # which attempt of the run (runtime.attempt())
-    preempt_grace_s: float = 10.0  # a task told to terminate (SIGTERM) lives this long at most (``termination``)
 
 
 def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
@@ -115,120 +80,15 @@ def base_env(spec: RunSpec, task: TaskDir) -> dict[str, str]:
     return env
 
 
-def hand_over_key(path: Path, key: bytes) -> None:
-    """Write ``key`` where only this user can read it, for one process to pick up (not in its environ)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key.hex())
-
-
 def hand_over_rank_keys(spec: RunSpec, slots: list[Slot]) -> None:
     """Each rank's own channel key (its logs and failure report only, as that rank) beside its task."""
     for slot in slots:
         hand_over_key(TaskDir(slot.task_dir).rank_key(slot.rank), wire.role_key(spec.secret, wire.rank_role(slot.rank)))
 
 
-def tail(path: Path, n: int = names.TAIL_LINES) -> list[str]:
-    with contextlib.suppress(OSError), path.open("rb") as f:
-        return [line.decode("utf-8", "replace").rstrip("\n") for line in deque(f, maxlen=n)]
-    return []
-
-
-def exit_text(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return "was killed by %s" % signal.Signals(-code).name
-        return "was killed by signal %d" % -code
-    return "exited with code %d" % code
-
-
-def where(slot: Slot | None) -> str:
-    if slot is None:
-        return "The job"
-    return "Rank %d on host %s (executor %s)" % (slot.rank, slot.hostname, slot.executor)
-
-
-def read_error_file(slot: Slot) -> Failure | None:
-    """The failure report the rank of ``slot`` wrote, as a rank may tell it (``Failure.told_by_rank``):
-    where it ran is the plan's, when is the file's (the OS's), how it ended is its exit's (the caller's)."""
-    path = TaskDir(slot.task_dir).error(slot.rank)
-    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-        told = Failure.from_json(json.loads(path.read_text())).told_by_rank(slot.rank, when=path.stat().st_mtime)
-        return told.placed(slot.hostname, slot.executor)
-    return None
-
-
-def rank_exit_failure(slot: Slot, code: int, *, stopping: bool) -> Failure:
-    """Why the rank of ``slot`` ended with ``code``: its own report, or one made from its exit.
-    ``stopping``: this host ended it (the driver said stop), so it is not a cause of its own."""
-    task = TaskDir(slot.task_dir)
-    own = read_error_file(slot)
-    if own is not None:
-        return dataclasses.replace(own, exit=exit_text(code), consequence=stopping)
-    how = exit_text(code)
-    return Failure(
-        message="%s %s%s" % (where(slot), how, " after the job was told to stop" if stopping else ""),
-        rank=slot.rank, host=slot.hostname, executor=slot.executor, exit=how,
-        tail=tuple(tail(task.rank_log(slot.rank))), consequence=stopping,
-    )
-
-
-def run_rank_processes(slots: list[Slot], env: dict[str, str], slot_env: Callable[[Slot], dict[str, str]],
-                       pass_fds: Callable[[Slot], tuple[int, ...]] = lambda slot: ()) -> Failure | None:
-    """Start one rank process per slot (``env`` plus its launcher's ``slot_env``; the descriptors
-    ``pass_fds`` names, inherited), wait for all; return the first failure, if any. Gloo and torch
-    start their ranks so; mpirun has orted do it.
-
-    The wait blocks in ``waitpid`` (one thread per rank): nothing on this host wakes up while the
-    ranks train, and an exit is seen the moment it happens.
-    """
-    running: list[subprocess.Popen] = []
-    ended: queue.Queue[tuple[Slot, subprocess.Popen, int]] = queue.Queue()
-    try:
-        for slot in slots:
-            rank_env = {**env, **slot_env(slot), names.ENV_RANK: str(slot.rank)}
-            with TaskDir(slot.task_dir).rank_log(slot.rank).open("wb") as out:
-                proc = procs.spawn(WORKER, rank_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   pass_fds=pass_fds(slot))
-            running.append(proc)
-            threading.Thread(target=lambda s=slot, p=proc: ended.put((s, p, p.wait())), daemon=True).start()
-        for _ in running:
-            slot, proc, code = ended.get()
-            if code != 0:
-                return rank_exit_failure(slot, code, stopping=procs.killed_by_us(proc.pid))
-        return None
-    finally:
-        for proc in running:
-            if proc.poll() is None:
-                procs.kill_tree(proc)
-
-
-def run_reaped(argv: list[str], env: dict[str, str], out_path: Path) -> tuple[int, int]:
-    """Run a program with no watchdog of its own (``mpirun``) under a reaper that dies with this
-    process; its output to ``out_path``. Returns its exit code and pid."""
-    with out_path.open("wb") as out:
-        proc = procs.spawn(procs.reaped(argv, os.getpid()), env, stdout=out, stderr=subprocess.STDOUT,
-                           stdin=subprocess.DEVNULL)
-    try:
-        return proc.wait(), proc.pid
-    finally:
-        if proc.poll() is None:
-            procs.kill_tree(proc)
-
-
 def missing_programs(spec: RunSpec) -> tuple[str, ...]:
     """Programs ``spec``'s launcher needs that the PATH of its ranks lacks."""
     return launcher_of(spec.launcher).missing_programs(spec.env.get("PATH", os.environ.get("PATH", "")))
-
-
-def rank_tails(slots: list[Slot]) -> dict[str, list[str]]:
-    """The last lines of this host's ranks, from their log files."""
-    out = {}
-    for slot in slots:
-        lines = tail(TaskDir(slot.task_dir).rank_log(slot.rank))
-        if lines:
-            out[str(slot.rank)] = lines
-    return out
 
 
 def upload_artifacts(spec: RunSpec, task: TaskDir) -> Failure | None:
@@ -276,63 +136,13 @@ def result_rows(partition: int, kind: str, data: bytes, chunk: int) -> list[dict
     ]
 
 
-ERROR_MARKER = "@@HVDRUNNER-ERROR@@"
 RESULT_CHUNK = 4 * 1024 * 1024
 
-__all__ = ["RunSpec", "TaskFailure", "check_facts", "parse_failure", "run_local", "run_task", "spark_task"]
-
-
-class TaskFailure(RuntimeError):
-    """Raised in a barrier task (Spark fallback) or the local thread; carries the failure as JSON."""
-
-    def __init__(self, failure: Failure) -> None:
-        self.failure = failure
-        super().__init__("%s\n%s" % (failure_blob(failure.to_json()), failure.message))
-
-
-def failure_blob(raw: dict[str, Any]) -> str:
-    """A failure as it travels in an exception's text: first, in markers, as base64 (which holds no
-    ``@``): the message after it, which holds a rank's words, cannot forge it (issue 49)."""
-    return "%s%s%s" % (ERROR_MARKER, base64.b64encode(json.dumps(raw).encode()).decode(), ERROR_MARKER)
+__all__ = ["run_local", "run_task", "spark_task"]
 
 
 class Stopped(Exception):
     """The driver said stop before the ranks started."""
-
-
-def parse_failure(text: str) -> Failure | None:
-    """The failure inside an exception text that travelled through Spark, if there is one: the first
-    ``failure_blob`` in it (what follows it, a rank's words included, is never read as one)."""
-    start = text.find(ERROR_MARKER)
-    end = text.find(ERROR_MARKER, start + len(ERROR_MARKER)) if start >= 0 else -1
-    if end < 0:
-        return None
-    with contextlib.suppress(ValueError, TypeError, AttributeError, binascii.Error):
-        return Failure.from_json(json.loads(base64.b64decode(text[start + len(ERROR_MARKER) : end], validate=True)))
-    return None
-
-
-def check_facts(driver_python: str, facts: list[TaskFacts], driver_stack: dict[str, str] | None = None) -> Failure | None:
-    """Why an executor cannot run the job, in words that say what to fix; None when all can.
-    ``driver_stack``: the driver's ``environment.stack_of_this_host()``, which every executor's must equal."""
-    driver_mm = ".".join(driver_python.split(".")[:2])
-    for f in facts:
-        differences = stack_differences(driver_stack or {}, f.stack)
-        if differences:
-            return Failure("The executor %s (partition %d) runs another environment than the driver: %s. Give the "
-                           "executors the driver's environment (a packed virtualenv in spark.archives, or the same "
-                           "image; see docs/how-to.md)." % (f.executor, f.partition, "; ".join(differences)),
-                           executor=f.executor, error_class=ExecutorMismatchError.__name__)
-        if ".".join(f.python.split(".")[:2]) != driver_mm:
-            return Failure("Python %s on executor %s differs from the driver's %s. Point PYSPARK_PYTHON at the "
-                           "same Python version on the driver and the executors." % (f.python, f.executor, driver_python),
-                           executor=f.executor, error_class=ExecutorMismatchError.__name__)
-        if f.missing:
-            return Failure("%s not found on executor %s (PATH of the task). Install Open MPI on every executor "
-                           "(apt-get install openmpi-bin), or use launcher='gloo'." % (" and ".join(f.missing), f.executor),
-                           executor=f.executor, error_class=ExecutorMismatchError.__name__)
-    refusal = shm_refusal(facts)
-    return Failure(refusal) if refusal is not None else None
 
 
 def unreachable_driver(channel: tuple[str, int], partition: int, executor: str, error: str | None) -> Failure:
@@ -528,7 +338,7 @@ def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:
             raise TaskFailure(Failure("%s not found on the driver's PATH. Install Open MPI (apt-get install "
                                       "openmpi-bin) or use launcher='gloo'." % " and ".join(missing)))
         here = endpoint_of(LOOPBACK)
-        facts = [TaskFacts(partition=i, executor="driver", address=here.address, pid=os.getpid(), task_dir=str(task.path),
+        facts = [TaskFacts(partition=i, executor=LOCAL_EXECUTOR, address=here.address, pid=os.getpid(), task_dir=str(task.path),
                            python=platform.python_version(), iface=here.iface, network=here.network) for i in range(np)]
         plan = make_plan(facts)
         task.plan.write_text(plan.to_json())

@@ -12,7 +12,8 @@ from airflow_provider_horovod import HorovodRunError, HorovodRunner, Insufficien
 from airflow_provider_horovod.runner import wire
 from airflow_provider_horovod.runner.driver.attempt import Attempt
 from airflow_provider_horovod.runner.events import Failure, JobEnded, RunReport
-from airflow_provider_horovod.runner.task.barrier import TaskFailure, result_rows
+from airflow_provider_horovod.runner.exits import TaskFailure
+from airflow_provider_horovod.runner.task.barrier import result_rows
 from tests.security.attacker import settle
 
 

@@ -10,7 +10,7 @@ import pytest
 from pyspark import cloudpickle as spark_cloudpickle
 
 from airflow_provider_horovod.runner.driver import executors
-from airflow_provider_horovod.runner.task.barrier import ERROR_MARKER, parse_failure
+from airflow_provider_horovod.runner.exits import ERROR_MARKER, parse_failure
 
 # A fresh interpreter in which this package cannot be imported, as on an executor without it; it
 # unpickles the barrier stage's function as Spark's worker does and runs it.

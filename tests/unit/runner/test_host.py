@@ -6,7 +6,9 @@ import json
 
 from airflow_provider_horovod.runner import names
 from airflow_provider_horovod.runner.events import Failure
-from airflow_provider_horovod.runner.task.barrier import RunSpec, base_env, rank_exit_failure
+from airflow_provider_horovod.runner.exits import rank_exit_failure
+from airflow_provider_horovod.runner.spec import RunSpec
+from airflow_provider_horovod.runner.task.barrier import base_env
 from airflow_provider_horovod.runner.launchers.mpirun import mpirun_failure, parse_mpirun_exit
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.plan import TaskFacts, make_plan

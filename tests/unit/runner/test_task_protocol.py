@@ -11,7 +11,7 @@ from airflow_provider_horovod.runner.task import barrier
 from airflow_provider_horovod.runner.task.barrier import run_task
 from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.events import TaskFinished, TaskStarted
-from airflow_provider_horovod.runner.task.barrier import RunSpec
+from airflow_provider_horovod.runner.spec import RunSpec
 from airflow_provider_horovod.runner.messages import Release
 
 

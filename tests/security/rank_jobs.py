@@ -31,8 +31,9 @@ def torch_store_job(folder: str, wait_s: float = 120.0):
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    if dist.get_rank() == 0:
-        Path(folder, "port").write_text(os.environ["MASTER_PORT"])
+    if dist.get_rank() == 0:  # written whole before the test can read it
+        Path(folder, "port.tmp").write_text(os.environ["MASTER_PORT"])
+        os.replace(Path(folder, "port.tmp"), Path(folder, "port"))
     deadline = time.monotonic() + wait_s
     while not Path(folder, "probed").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

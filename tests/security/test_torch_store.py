@@ -96,11 +96,18 @@ def _other_addresses_of_this_host() -> list[str]:
 
 def _ranks_listening() -> set[tuple[str, int]]:
     """Every address and port a rank process of this test listens on (its store, Gloo's pairs)."""
-    ranks = [p for p in psutil.Process().children(recursive=True)
-             if "airflow_provider_horovod.runner.rank.worker" in " ".join(p.cmdline())]
+    listening, ranks = set(), 0
+    for proc in psutil.Process().children(recursive=True):
+        try:  # a child that ended meanwhile (a zombie not yet reaped, or gone) listens on nothing
+            if "airflow_provider_horovod.runner.rank.worker" not in " ".join(proc.cmdline()):
+                continue
+            connections = proc.net_connections("inet")
+        except psutil.Error:
+            continue
+        ranks += 1
+        listening |= {(c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN}
     assert ranks, "no rank process found"
-    return {(c.laddr.ip, c.laddr.port) for p in ranks for c in p.net_connections("inet")
-            if c.status == psutil.CONN_LISTEN}
+    return listening
 
 
 def _reaches(address: str, port: int) -> bool:

@@ -174,7 +174,7 @@ def hvd_deploy_retry_policy():
         raise ValueError("the learning rate must be positive")
 
     @task.horovod(np=4, start_timeout=2, retries=1, retry_policy=HorovodRetryPolicy(slots_delay=0))
-    def more_ranks_than_slots():  # the task's embedded local[2] Spark has 2 barrier slots
+    def more_ranks_than_slots():  # the task's embedded local[2] Spark has 2 barrier slots, and cannot grow: not retried
         return "never runs"
 
     raises()

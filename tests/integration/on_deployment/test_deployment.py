@@ -391,7 +391,7 @@ def _ctx(proc: psutil.Process) -> tuple[str | None, str | None, str | None]:
     return env.get("AIRFLOW_CTX_DAG_ID"), env.get("AIRFLOW_CTX_TASK_ID"), env.get("AIRFLOW_CTX_TRY_NUMBER")
 
 
-def test_the_default_retry_policy_fails_a_raising_function_after_one_try_and_retries_too_few_slots(
+def test_the_default_retry_policy_fails_a_raising_function_and_too_few_slots_on_a_local_master_after_one_try(
         airflow_deployment: Deployment, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -404,19 +404,18 @@ def test_the_default_retry_policy_fails_a_raising_function_after_one_try_and_ret
     raises = api.task_instance(dag_id, run_id, "raises")
     slots = api.task_instance(dag_id, run_id, "more_ranks_than_slots")
     assert (raises["state"], raises["try_number"]) == ("failed", 1)  # although retries=2
-    assert (slots["state"], slots["try_number"]) == ("failed", 2)  # retries=1: retried once
+    assert (slots["state"], slots["try_number"]) == ("failed", 1)  # although retries=1: a local master cannot grow
     log = api.log(dag_id, run_id, "raises", 1)
     assert ("Not retried (user code): the training function raised ValueError: the learning rate must be positive "
             "in rank ") in log, log[-3000:]
-    for try_number in (1, 2):
-        log = api.log(dag_id, run_id, "more_ranks_than_slots", try_number)
-        # the operator's start_timeout reaches the engine; a local master fails without waiting for it
-        assert "no executor can join a local master: waiting start_timeout=2s would not help" in log, log[-3000:]
-        assert ("Retried after 0 s if retries are left (too few slots): np=4 needs 4 barrier slots, but the cluster "
-                "has 2") in log
+    log = api.log(dag_id, run_id, "more_ranks_than_slots", 1)
+    # the operator's start_timeout reaches the engine; a local master fails without waiting for it
+    assert "no executor can join a local master: waiting start_timeout=2s would not help" in log, log[-3000:]
+    assert ("Not retried (no retry fixes it): the cluster's barrier slots cannot grow (FixedSlotsError: np=4 needs 4 "
+            "barrier slots, but the cluster has 2") in log, log[-3000:]
     wait = WebDriverWait(browser, BROWSER_WAIT_S)
     for task_id, why in [("raises", "Not retried (user code): the training function raised ValueError"),
-                         ("more_ranks_than_slots", "Retried after 0 s if retries are left (too few slots)")]:
+                         ("more_ranks_than_slots", "Not retried (no retry fixes it): the cluster's barrier slots cannot grow")]:
         browser.get(view_url(airflow_deployment, dag_id, run_id, task_id))
         shown = wait.until(lambda d: d.find_elements(By.ID, "failure-retry"))
         assert shown[0].text.startswith(why), shown[0].text

@@ -166,8 +166,9 @@ def hvd_deploy_restart():
 @dag(schedule=None, start_date=START, catchup=False, tags=["hvd-deployment-test"])
 def hvd_deploy_retry_policy():
     """HorovodRetryPolicy, the default: a training function that raises is not retried although
-    retries=2; too few slots are retried (after the policy's delay of 0 s, not the task's 300 s).
-    Too few slots also fail after start_timeout (2 s, not the default 120 s)."""
+    retries=2; too few slots on a local master (which cannot grow) are not retried either, although
+    retries=1, and fail without waiting start_timeout. (Too few slots on a cluster that can grow are
+    retried: tests/unit/test_retry.py.)"""
 
     @task.horovod(np=2, retries=2)
     def raises():

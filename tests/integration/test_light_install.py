@@ -84,7 +84,7 @@ def test_the_light_install_parses_dags_serves_the_view_and_a_job_fails_before_sp
     assert seen["dags"] == ["horovod_digits_retrain", "horovod_digits_train", "horovod_keras_digits"]
     status, text = seen["page"]
     assert status == 200 and "<title>Horovod · horovod_digits_train / train</title>" in text
-    assert seen["s3"].startswith("ArtifactError: The artifact root s3://aws_default@bucket/horovod needs a file system "
+    assert seen["s3"].startswith("ArtifactSettingsError: The artifact root s3://aws_default@bucket/horovod needs a file system "
                                  "for s3://, which is not installed"), seen["s3"]
     assert 'pip install "airflow-provider-horovod[s3]"' in seen["s3"]
 

@@ -17,13 +17,13 @@ because of it: a torch job that never imports Horovod never loads it.
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from airflow_provider_horovod.exceptions import WrongLauncherError
-from airflow_provider_horovod.runner.rank.import_guard import install_finder
 
 BASICS = "horovod.common.basics"
 _MARK = "__hvdrunner_launcher_checked__"
@@ -69,10 +69,45 @@ def guard_basics(module: Any) -> None:
             loaded.init = bound.__self__.init
 
 
+class _GuardingLoader(importlib.abc.Loader):
+    """The module's own loader, then ``guard_basics`` on what it executed."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        guard_basics(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _GuardingFinder(importlib.abc.MetaPathFinder):
+    """Finds ``horovod.common.basics`` as the other finders would and gives it a guarding loader."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != BASICS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _GuardingLoader(spec.loader)
+                return spec
+        return None
+
+
 def install() -> None:
     """Under torchrun's contract only: refuse ``hvd.init()`` in this process, from now on."""
     if not under_torch_contract():
         return
-    install_finder((BASICS,), guard_basics)
+    if not any(isinstance(f, _GuardingFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _GuardingFinder())
     if BASICS in sys.modules:
         guard_basics(sys.modules[BASICS])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
 import importlib.metadata
 import os
 import sys
@@ -30,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 from airflow_provider_horovod.exceptions import Keras3NotSupportedError
-from airflow_provider_horovod.runner.rank.import_guard import install_finder
 
 LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
 
@@ -128,9 +128,44 @@ def guard_module(module: Any) -> None:
     setattr(module, _MARK, True)
 
 
+class _GuardingLoader(importlib.abc.Loader):
+    """The module's own loader, then ``guard_module`` on what it executed."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        guard_module(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_code, get_resource_reader, is_package, ...
+        return getattr(self._loader, name)
+
+
+class _GuardingFinder(importlib.abc.MetaPathFinder):
+    """Finds Horovod's Keras modules as the other finders would and gives them a guarding loader."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _KERAS_MODULES and fullname not in _CALLBACK_MODULES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _GuardingLoader(spec.loader)
+                return spec
+        return None
+
+
 def install() -> None:
     """Guard Horovod's Keras modules in this process: those imported already, and those to come."""
-    install_finder((*_KERAS_MODULES, *_CALLBACK_MODULES), guard_module)
+    if not any(isinstance(f, _GuardingFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _GuardingFinder())
     for name in (*_KERAS_MODULES, *_CALLBACK_MODULES):
         if name in sys.modules:
             guard_module(sys.modules[name])

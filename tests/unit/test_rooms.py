@@ -4,8 +4,14 @@ at module level or inside a function, ``TYPE_CHECKING`` blocks included.
 
 Rooms: ``driver/`` (the process that calls ``HorovodRunner.run``), ``task/`` (each Spark barrier
 task), ``launchers/`` (entered from the task side), ``rank/`` (each rank process) and the shared
-modules directly in ``runner/``. Arrows run down, from a caller to what it calls:
+modules directly in ``runner/``. The launchers' table, ``launchers/__init__.py`` (the package itself:
+``Launcher``, ``LAUNCHERS``, ``launcher_of``), is a shared module: every role asks it what a launcher
+is (the rank included: which names say its rank, whether ``hvd.init()`` is allowed), so it imports
+nothing of the engine at all, only the standard library, and names each launcher's module as a
+string that ``launcher_of`` imports when the task side asks. Arrows run down, from a caller to what
+it calls:
 
+- the launchers' table imports no module of the engine (the standard library only);
 - the shared modules import no room (every role imports them);
 - ``launchers/`` imports neither ``task/`` nor ``driver/`` (the task side calls the launchers);
 - ``rank/`` imports none of ``task/``, ``driver/``, ``launchers/`` (they start the rank);
@@ -25,6 +31,7 @@ A rank's command, ``launchers.processes.WORKER``, names ``runner.rank.worker`` a
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,9 +66,12 @@ def engine_modules() -> dict[str, Path]:
     return {module_name(path): path for path in sorted(RUNNER.rglob("*.py"))}
 
 
+TABLE = "%s.launchers" % PACKAGE  # the launchers' table: the package's own module, shared by every role
+
+
 def room_of(module: str) -> str:
     first = module[len(PACKAGE) + 1 :].split(".")[0] if module != PACKAGE else ""
-    return first if first in ROOMS else SHARED
+    return first if first in ROOMS and module != TABLE else SHARED
 
 
 def imported(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
@@ -99,9 +109,24 @@ def test_a_room_never_imports_its_callers(room):
     assert not wrong, "arrows that run up, out of %s: %s" % (room, wrong)
 
 
+def test_the_launchers_table_imports_the_standard_library_only():
+    path = engine_modules()[TABLE]
+    outside = sorted(
+        name
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or "."] if isinstance(node, ast.ImportFrom) and node.level == 0 else
+                     ["." * getattr(node, "level", 0)] if isinstance(node, ast.ImportFrom) else [])
+        if name.split(".")[0] not in sys.stdlib_module_names | {"__future__"}
+    )
+    assert not outside, "the launchers' table is imported by every role and must import nothing else: %s" % outside
+
+
 def test_the_rules_see_a_wrong_arrow():
-    graph = {"%s.launchers.gloo" % PACKAGE: {"%s.task.barrier" % PACKAGE}}
-    assert [t for m, ts in graph.items() for t in ts if room_of(t) in FORBIDDEN[room_of(m)]]
+    graph = {"%s.launchers.gloo" % PACKAGE: {"%s.task.barrier" % PACKAGE},
+             "%s.rank.worker" % PACKAGE: {"%s.launchers.gloo" % PACKAGE}}
+    assert len([t for m, ts in graph.items() for t in ts if room_of(t) in FORBIDDEN[room_of(m)]]) == 2
+    assert room_of(TABLE) == SHARED and room_of("%s.launchers.torch" % PACKAGE) == "launchers"
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

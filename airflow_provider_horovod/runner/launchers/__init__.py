@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 
-__all__ = ["DEFAULT_LAUNCHER", "LAUNCHERS", "Launcher", "LauncherFacts", "Services", "facts_of", "launcher_of"]
+__all__ = ["LAUNCHERS", "Launcher", "LauncherFacts", "Services", "facts_of", "launcher_of"]
 
 
 class Launcher(enum.StrEnum):
@@ -73,7 +73,7 @@ class LauncherFacts:
     runs_horovod: bool  # Horovod runs in the ranks: hvd.init() is allowed, a timeline exists, Horovod is checked
     horovod_controller: str | None  # the controller the driver's Horovod build must have ("MPI", "Gloo")
     rank_modules: tuple[str, ...]  # what the ranks import besides this package (checked on driver and executors)
-    extra: str  # the pip extra that installs what the ranks import
+    extra: str | None  # the pip extra that installs what the ranks import (None: a Horovod build, environment.INSTALL_HINT)
     contract: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     mark: str | None = None
     forwards_output: bool = False  # a rank's fd 1 is the launcher's pipe (orted): the rank forwards its lines there
@@ -85,7 +85,7 @@ class LauncherFacts:
 LAUNCHERS: dict[Launcher, LauncherFacts] = {
     Launcher.MPIRUN: LauncherFacts(
         name=Launcher.MPIRUN, module=__name__ + ".mpirun", runs_horovod=True, horovod_controller="MPI",
-        rank_modules=("cloudpickle", "horovod"), extra="torch",
+        rank_modules=("cloudpickle", "horovod"), extra=None,
         # Open MPI's names (set by orted), then PMIx's and PMI's, as any MPI launcher sets them
         contract={"rank": ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"), "size": ("OMPI_COMM_WORLD_SIZE",),
                   "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",), "local_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",)},
@@ -93,7 +93,7 @@ LAUNCHERS: dict[Launcher, LauncherFacts] = {
     ),
     Launcher.GLOO: LauncherFacts(
         name=Launcher.GLOO, module=__name__ + ".gloo", runs_horovod=True, horovod_controller="Gloo",
-        rank_modules=("cloudpickle", "horovod"), extra="torch",
+        rank_modules=("cloudpickle", "horovod"), extra=None,
         contract={"rank": ("HOROVOD_RANK",), "size": ("HOROVOD_SIZE",), "local_rank": ("HOROVOD_LOCAL_RANK",),
                   "local_size": ("HOROVOD_LOCAL_SIZE",), "cross_rank": ("HOROVOD_CROSS_RANK",),
                   "cross_size": ("HOROVOD_CROSS_SIZE",), "hostname": ("HOROVOD_HOSTNAME",)},
@@ -113,7 +113,6 @@ LAUNCHERS: dict[Launcher, LauncherFacts] = {
                          "runtime.checkpoint_dir() to get it back)",
     ),
 }
-DEFAULT_LAUNCHER = Launcher.MPIRUN
 
 
 def facts_of(launcher: Launcher | str) -> LauncherFacts:

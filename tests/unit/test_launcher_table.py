@@ -129,3 +129,22 @@ def test_the_table_is_light_enough_for_every_role():
             "print(sorted(m for m in ('torch', 'horovod', 'pyspark', 'tensorflow', 'airflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_table_answers_what_the_rank_and_the_task_read_before():
+    """The names each place spelled before the table, asked of it now (this step moves code, decides nothing)."""
+    from airflow_provider_horovod import runtime
+    from airflow_provider_horovod.runner import names
+    from airflow_provider_horovod.runner.rank import horovod_guard
+
+    assert set(horovod_guard.HOROVOD_WORLD_ENV) == {"HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}
+    assert names.HOROVOD_RANK_CONTRACT == (
+        "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+        "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_TIMELINE")
+    assert launchers.session_envs() == ("OMPI_MCA_orte_tmpdir_base",)
+    assert launchers.forwards_output({"OMPI_COMM_WORLD_RANK": "1"})  # under mpirun: orted's pipe
+    assert not launchers.forwards_output({"HOROVOD_RANK": "1"}) and not launchers.forwards_output({"TORCHELASTIC_RUN_ID": "r"})
+    assert runtime._CONTRACT["size"] == ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE")
+    assert runtime._CONTRACT["hostname"] == ("HOROVOD_HOSTNAME",)
+    assert launchers.no_timeline_hint("torch").startswith("profile with torch.profiler")
+    assert launchers.no_timeline_hint("mpirun") is None and launchers.no_timeline_hint(None) is None

@@ -40,6 +40,7 @@ from typing import Any
 
 from airflow_provider_horovod.exceptions import ArtifactError, ArtifactSettingsError
 from airflow_provider_horovod.runner import records
+from airflow_provider_horovod.runner.hardlinks import link_tree
 from airflow_provider_horovod.runner.records import (
     CHECKPOINTS,
     METRICS,
@@ -237,7 +238,7 @@ class VersionUploads:
 
     def offer(self, version: Version, local: Path) -> None:
         staged = self.staging / records.version_name(version.seq)
-        _link_tree(local, staged, version_files(version))
+        link_tree(local, staged, version_files(version), copy=shutil.copyfile)
         with self._cond:
             if self._closed:
                 shutil.rmtree(staged, ignore_errors=True)
@@ -290,16 +291,6 @@ class VersionUploads:
                 with self._cond:
                     self._busy = None
                     self._cond.notify_all()
-
-
-def _link_tree(source: Path, target: Path, files: tuple[str, ...]) -> None:
-    for rel in files:
-        dest = target / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(source / rel, dest)
-        except OSError:  # another file system, or one without hard links
-            shutil.copyfile(source / rel, dest)
 
 
 def versions(folder: Any) -> list[tuple[Version, Any]]:

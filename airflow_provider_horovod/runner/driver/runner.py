@@ -24,6 +24,7 @@ from airflow_provider_horovod.runner.driver.artifact_dir import (
     holds_something,
     new_run_folder,
 )
+from airflow_provider_horovod.runner.hardlinks import link_or_copy
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.driver import executors
@@ -58,15 +59,6 @@ from airflow_provider_horovod.runner.versions import newest as newest_version
 from airflow_provider_horovod.runner.text import one_line
 
 log = logging.getLogger(__name__)
-
-
-
-def _link_or_copy(source: str, target: str) -> None:
-    """A restart's view of a committed version: hard links (versions are never written again), else a copy."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
 
 
 class HorovodRunner:
@@ -341,7 +333,7 @@ class HorovodRunner:
                 found = newest_version(sink.artifact_dir)
                 if found is not None:
                     copy = self._resume_copies(sink.artifact_dir) / str(number)
-                    shutil.copytree(found[1], copy, copy_function=_link_or_copy)
+                    shutil.copytree(found[1], copy, copy_function=link_or_copy)  # versions are never written again
         if found is None:
             return self.resume_from, {"path": str(self.resume_from)} if self.resume_from is not None else None
         return copy, {"seq": found[0].seq, "step": found[0].step}

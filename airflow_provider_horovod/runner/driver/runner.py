@@ -28,7 +28,7 @@ from airflow_provider_horovod.runner.hardlinks import link_or_copy
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.driver import executors
-from airflow_provider_horovod.runner.driver.attempt import Attempt
+from airflow_provider_horovod.runner.driver.attempt import Attempt, AttemptOptions
 from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.driver.supervisor import Deadlines, Upload
 from airflow_provider_horovod.runner.environment import require_framework, require_training_stack
@@ -195,6 +195,7 @@ class HorovodRunner:
         self._cancelled.clear()
         self._interrupt = None
         self._last = None
+        options = self.attempt_options()
         started = time.monotonic()
         report = self.last_run = RunReport(run_id=run_id, np=self.np, launcher=self.launcher,
                                            artifact_dir=str(artifact_dir))
@@ -207,7 +208,7 @@ class HorovodRunner:
         try:
             with self._signals():
                 try:
-                    result = self._attempts(run_id, payload, report, staging, sink, started)
+                    result = self._attempts(options, run_id, payload, report, staging, sink, started)
                     report.status = RunStatus.SUCCESS
                 except RunCancelledError:
                     report.status = RunStatus.CANCELLED
@@ -240,18 +241,25 @@ class HorovodRunner:
         shutil.rmtree(folder, ignore_errors=True)
         report.artifact_dir = None
 
-    def _attempts(self, run_id: str, payload: bytes, report: RunReport, staging: Path | None,
-                  sink: VersionSink | None, started: float) -> Any:
+    def attempt_options(self) -> AttemptOptions:
+        """What every attempt of a run reads of this runner's options, as one value (made once a run)."""
+        return AttemptOptions(np=self.np, launcher=self.launcher, driver_log_verbosity=self.driver_log_verbosity,
+                              env=dict(self.env), start_timeout=self.start_timeout, stall_timeout=self.stall_timeout,
+                              timeline=self.timeline, deadlines=self.deadlines, artifact_limits=self.artifact_limits,
+                              restarts=self.restarts, dataset=self.dataset, on_report=self.on_report)
+
+    def _attempts(self, options: AttemptOptions, run_id: str, payload: bytes, report: RunReport,
+                  staging: Path | None, sink: VersionSink | None, started: float) -> Any:
         """Attempt after attempt until one returns rank 0's value or ends in a way no restart fixes
         (``restarts.RestartPolicy``); every attempt is in ``report.attempts`` and the task log."""
-        resume: Path | None = None
+        resume: Path | None = self.resume_from  # the first attempt's; a restart's is the newest version
         resumed: dict[str, Any] | None = None
         lost_at: float | None = None
         workers_gone: list[str] = []  # executors whose worker Spark decommissioned in an attempt before (capacity.can_grow)
         for number in itertools.count():
-            attempt = self._attempt = self._last = Attempt(self, run_id, payload, report, staging, sink, number=number,
-                                                           resume_from=resume, lost_at=lost_at,
-                                                           workers_gone=workers_gone)
+            attempt = self._attempt = self._last = Attempt(options, self.session, self._cancelled, run_id, payload,
+                                                           report, staging, sink, number=number, resume_from=resume,
+                                                           lost_at=lost_at, workers_gone=workers_gone)
             if number == 0 and attempt.resume_from is not None:
                 resumed = {"path": str(attempt.resume_from)}
             record = AttemptRecord(number=number, np=attempt.np, started_s=round(time.monotonic() - started, 3),
@@ -284,6 +292,8 @@ class HorovodRunner:
             finally:
                 attempt.close()
                 self._attempt = None
+                if self._interrupt is None:
+                    self._interrupt = attempt.interrupt
                 self._record(report, record, attempt, started)
         raise AssertionError("unreachable")
 

@@ -19,7 +19,6 @@ from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook, check_root
 from airflow_provider_horovod.recorder import RESUME_AUTO, RESUME_NEVER, TryRecorder, TrySettings, is_json
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
-from airflow_provider_horovod.runner.driver.restarts import AttemptRecord
 from airflow_provider_horovod.runner.events import RunReport, RunStatus
 from airflow_provider_horovod.runner.options import (
     DEFAULT_LAST_CALL_S,
@@ -354,7 +353,7 @@ class HorovodRunnerOperator(BaseOperator):
         )
         if len(report.attempts) > 1:
             self.log.info("Horovod attempts in this try (restarts after lost infrastructure): %s",
-                          "; ".join(AttemptRecord.from_json(a).describe() for a in report.attempts))
+                          "; ".join(a.describe() for a in report.attempts))
         versions = report.checkpoints
         if versions:
             self.log.info("Checkpoint versions committed during this try: %s",

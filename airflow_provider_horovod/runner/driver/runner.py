@@ -4,6 +4,7 @@ attempt (one barrier stage, ``attempt.py``) and commits what rank 0 handed over 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -32,15 +33,9 @@ from airflow_provider_horovod.runner.driver.attempt import Attempt, AttemptOptio
 from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.driver.supervisor import Deadlines, Upload
 from airflow_provider_horovod.runner.environment import require_framework, require_training_stack
-from airflow_provider_horovod.runner.events import RunReport, RunStatus
+from airflow_provider_horovod.runner.events import AttemptRecord, Ending, RunReport, RunStatus, resumed_text
 from airflow_provider_horovod.runner.messages import Report
-from airflow_provider_horovod.runner.driver.restarts import (
-    AttemptRecord,
-    Ending,
-    RestartPolicy,
-    attempts_text,
-    resumed_text,
-)
+from airflow_provider_horovod.runner.driver.restarts import RestartPolicy, attempts_text
 from airflow_provider_horovod.runner.options import (
     DEFAULT_LAST_CALL_S,
     DEFAULT_STALL_TIMEOUT_S,
@@ -264,16 +259,16 @@ class HorovodRunner:
                 resumed = {"path": str(attempt.resume_from)}
             record = AttemptRecord(number=number, np=attempt.np, started_s=round(time.monotonic() - started, 3),
                                    resumed_from=resumed)
-            report.attempts.append(record.to_json())
+            report.attempts.append(record)
             if self._cancelled.is_set():
                 attempt.cancel()
             try:
                 return attempt.run()
             except BaseException as err:
-                record.cause = one_line(str(err).split("\n", 1)[0]) or type(err).__name__
+                cause = one_line(str(err).split("\n", 1)[0]) or type(err).__name__
                 if attempt.ending is None and not isinstance(err, Exception):  # execution_timeout, Ctrl-C: raised
                     attempt.ending = Ending.CANCELLED  # into the restart, outside the supervisor's loop
-                record.ending = attempt.ending or Ending.FAILED
+                record = dataclasses.replace(record, cause=cause, ending=attempt.ending or Ending.FAILED)
                 if not (attempt.ending and self.restarts.restarts(attempt.ending, number)):
                     self._name_attempts(err, report, record)
                     _name_unverified(err, attempt.channel.unverified)
@@ -301,19 +296,18 @@ class HorovodRunner:
         """The run's error, after restarts: it also names every attempt and why it ended."""
         if len(report.attempts) < 2 or not isinstance(err, HorovodRunError) or not err.args:
             return
-        records = [AttemptRecord.from_json(r) for r in report.attempts[:-1]]
-        err.args = ("%s\n\n%s" % (err.args[0], attempts_text([*records, record], self.restarts.max_restarts)),
+        err.args = ("%s\n\n%s" % (err.args[0], attempts_text([*report.attempts[:-1], record], self.restarts.max_restarts)),
                     *err.args[1:])
 
     @staticmethod
     def _record(report: RunReport, record: AttemptRecord, attempt: Attempt, started: float) -> None:
         """The attempt's end in the report and the task log: its record, its channel's events, its phases."""
-        record.ending = attempt.ending or record.ending or Ending.FAILED
-        record.np = attempt.np
-        record.duration_s = round(time.monotonic() - started - record.started_s, 3)
+        restart_s = record.restart_s
         if attempt.lost_at is not None and attempt.ranks_started_at is not None:
-            record.restart_s = round(attempt.ranks_started_at - attempt.lost_at, 3)
-        report.attempts[-1] = record.to_json()
+            restart_s = round(attempt.ranks_started_at - attempt.lost_at, 3)
+        record = report.attempts[-1] = dataclasses.replace(
+            record, ending=attempt.ending or record.ending or Ending.FAILED, np=attempt.np, restart_s=restart_s,
+            duration_s=round(time.monotonic() - started - record.started_s, 3))
         report.events += attempt.channel.recorded()
         report.rejected_connections += attempt.channel.rejected
         report.phases = attempt.marks

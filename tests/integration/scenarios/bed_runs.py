@@ -312,7 +312,7 @@ class Scenarios:
         threading.Thread(target=kill, daemon=True).start()
         out = self.run(runner, jobs.restartable_job, steps=20)
         out["killed"] = killed
-        out["attempts"] = runner.last_run.attempts
+        out["attempts"] = runner.last_run.attempts_json()
         out["plans"] = [e["slots"] for e in runner.last_run.events if e.get("kind") == "plan"]
         survivors = [h for h in self.bed.workers if h.address != killed.get("host")]
         out["survivor_leftovers"] = {h.name: self.bed.processes(h, *RUNNER_PROCESSES) for h in survivors}

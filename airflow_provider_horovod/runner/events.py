@@ -262,8 +262,6 @@ class RunReport:
     result: Any = None
     duration_s: float | None = None
     coordination: str | None = None  # "channel" (the driver's channel), "spark" (allGather), "local"
-    spark_ui_url: str | None = None
-    job_tag: str | None = None
     artifact_dir: str | None = None
     artifacts: dict[str, Any] | None = None  # the committed marker
     timeline_path: str | None = None

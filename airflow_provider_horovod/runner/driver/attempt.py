@@ -273,9 +273,7 @@ class Attempt:
                                   "for them. Put the checkpoint where the training function can read it instead.")
         spec = dataclasses.replace(spec, channel=address, dataset=dataset)
         tag = "hvdrunner-%s" % spec.run_id
-        report = self.report
-        report.spark_ui_url, report.job_tag = self._ui_url(spark), tag
-        report.coordination = "channel" if address is not None else "spark"
+        self.report.coordination = "channel" if address is not None else "spark"
         entry = executors.task_entry(pickle.dumps(spec), ERROR_MARKER, "spark_task",
                                      executors.needed_modules(self.options.launcher.runs_horovod))
         self.workers_python = executors.workers_python(spark)
@@ -502,12 +500,6 @@ class Attempt:
 
                 return socket.gethostbyname(host)
         return "127.0.0.1"
-
-    @staticmethod
-    def _ui_url(spark: Any) -> str | None:
-        with contextlib.suppress(Exception):
-            return spark.sparkContext.uiWebUrl
-        return None
 
     # -- results and errors ---------------------------------------------------------------------
     def _collect(self, rows: list[Any], channel: Channel) -> Any:

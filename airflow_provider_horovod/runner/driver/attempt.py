@@ -66,7 +66,7 @@ from airflow_provider_horovod.runner.exits import ERROR_MARKER, TaskFailure, par
 from airflow_provider_horovod.runner.options import Launcher
 from airflow_provider_horovod.runner.readiness import check_facts, shm_warnings
 from airflow_provider_horovod.runner.spec import RunSpec
-from airflow_provider_horovod.runner.stall import stall_in
+from airflow_provider_horovod.runner.horovod_stall import stall_in
 from airflow_provider_horovod.runner.task import rank_states
 from airflow_provider_horovod.runner.task.barrier import run_local
 from airflow_provider_horovod.runner.text import one_line, quoted, quoted_text

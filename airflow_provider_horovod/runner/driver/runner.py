@@ -47,7 +47,7 @@ from airflow_provider_horovod.runner.options import (
     check_restarts,
 )
 from airflow_provider_horovod.runner.payload import build_payload, describe, resolve_callable, used_modules
-from airflow_provider_horovod.runner.stall import whole_seconds
+from airflow_provider_horovod.runner.horovod_stall import whole_seconds
 from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, Version, VersionSink, check_keep
 from airflow_provider_horovod.runner.versions import committed as committed_versions
 from airflow_provider_horovod.runner.versions import newest as newest_version
@@ -76,7 +76,7 @@ class HorovodRunner:
         stack moving, or ``runtime.report()``) before it fails with ``StallError``, naming the stalled
         ranks, where they are (user frame, or what the OS says of a rank that does not answer) and
         every rank's stacks; under every launcher (600 by default; whole seconds, rounded up). Under
-        mpirun and Gloo it also sets Horovod's stall check, which names the tensor (``stall.stall_env``).
+        mpirun and Gloo it also sets Horovod's stall check, which names the tensor (``horovod_stall.stall_env``).
     :param timeline: record a Horovod timeline on rank 0 and bring it back into the run's folder.
     :param artifact_dir: a local folder to commit rank 0's checkpoints and timeline into. Without it,
         the run keeps them in a run folder of its own, ``<HVDRUNNER_RUNS_DIR>/<UTC time>-<run id>``

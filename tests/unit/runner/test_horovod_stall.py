@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from airflow_provider_horovod.runner.stall import Stall, parse_stall, stall_env, stall_in, whole_seconds
+from airflow_provider_horovod.runner.horovod_stall import Stall, parse_stall, stall_env, stall_in, whole_seconds
 
 # rank 0's output under mpirun (Horovod 0.28.1), captured from tests/integration/test_stall.py's run
 CAPTURED = """[2026-12-04 22:04:37.334348: W /tmp/tmp.DfeAirBB3X/horovod-0.28.1/horovod/common/stall_inspector.cc:107] One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and are waiting for remainder of ranks for more than 1 seconds. This may indicate that different ranks are trying to submit different tensors or that only subset of ranks is submitting tensors, which will cause deadlock. 

@@ -31,8 +31,7 @@ from airflow_provider_horovod import retry, store
 from airflow_provider_horovod.exceptions import HorovodRunError
 from airflow_provider_horovod.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsRecorder, check_progress_interval
 from airflow_provider_horovod.runner.events import Failure, RunReport, RunStatus
-from airflow_provider_horovod.runner.options import Launcher
-from airflow_provider_horovod.runner.versions import DEFAULT_KEEP
+from airflow_provider_horovod.runner.options import DEFAULT_KEEP, Launcher
 
 if TYPE_CHECKING:
     import logging

@@ -21,16 +21,17 @@ from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.events import RunReport, RunStatus
 from airflow_provider_horovod.runner.options import (
+    DEFAULT_KEEP,
     DEFAULT_LAST_CALL_S,
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_START_TIMEOUT_S,
     Launcher,
+    check_keep,
     check_last_call,
     check_options,
     check_restarts,
 )
 from airflow_provider_horovod.runner.payload import check_arguments
-from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
 from airflow_provider_horovod.links import HorovodTimelineLink, MlflowRunLink, SparkUILink
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from airflow_provider_horovod import HorovodRunError, HorovodRunner, RunCancelledError
-from airflow_provider_horovod.runner.versions import committed
+from airflow_provider_horovod.runner.driver.versions import committed
 from tests.integration import jobs
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from airflow_provider_horovod import HorovodRunError, HorovodRunner, StallError
-from airflow_provider_horovod.runner import versions
+from airflow_provider_horovod.runner.driver import versions
 from tests.integration import jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]

@@ -71,7 +71,7 @@ from airflow_provider_horovod.runner.task import rank_states
 from airflow_provider_horovod.runner.task.barrier import run_local
 from airflow_provider_horovod.runner.text import one_line, quoted, quoted_text
 from airflow_provider_horovod.runner.transfer import Limits
-from airflow_provider_horovod.runner.versions import VersionSink
+from airflow_provider_horovod.runner.driver.versions import VersionSink
 
 log = logging.getLogger(__name__)
 

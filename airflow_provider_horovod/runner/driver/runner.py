@@ -37,20 +37,23 @@ from airflow_provider_horovod.runner.events import AttemptRecord, Ending, RunRep
 from airflow_provider_horovod.runner.messages import Report
 from airflow_provider_horovod.runner.driver.restarts import RestartPolicy, attempts_text
 from airflow_provider_horovod.runner.options import (
+    DEFAULT_KEEP,
     DEFAULT_LAST_CALL_S,
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_START_TIMEOUT_S,
     Launcher,
     check_engine_values,
+    check_keep,
     check_last_call,
     check_options,
     check_restarts,
 )
 from airflow_provider_horovod.runner.payload import build_payload, describe, resolve_callable, used_modules
 from airflow_provider_horovod.runner.horovod_stall import whole_seconds
-from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, Version, VersionSink, check_keep
-from airflow_provider_horovod.runner.versions import committed as committed_versions
-from airflow_provider_horovod.runner.versions import newest as newest_version
+from airflow_provider_horovod.runner.driver.versions import VersionSink
+from airflow_provider_horovod.runner.driver.versions import committed as committed_versions
+from airflow_provider_horovod.runner.driver.versions import newest as newest_version
+from airflow_provider_horovod.runner.records import Version
 from airflow_provider_horovod.runner.text import one_line
 
 log = logging.getLogger(__name__)

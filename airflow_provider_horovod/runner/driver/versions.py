@@ -24,21 +24,15 @@ from typing import Any
 from airflow_provider_horovod.runner.hardlinks import link_or_copy
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.messages import PutVersion, Report, safe_relative
+from airflow_provider_horovod.runner.options import check_keep
 from airflow_provider_horovod.runner.records import VERSION_MARKER, VERSIONS, Layout, Version, version_name
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEEP = 2
 MARKER_TMP = ".%s.tmp" % VERSION_MARKER  # the marker is written here first, then renamed
 # No file or folder of a checkpoint may take either name: a file would be the marker, a folder would
 # make every version's commit fail (``Is a directory``), finding T4-7 of issue 49.
 RESERVED_NAMES = frozenset({VERSION_MARKER, MARKER_TMP})
-
-
-def check_keep(keep: Any) -> int:
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError("keep_checkpoints must be an int >= 1 (the newest versions kept per try); got %r" % (keep,))
-    return keep
 
 
 def committed(artifact_dir: Path) -> list[tuple[Version, Path]]:

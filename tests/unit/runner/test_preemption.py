@@ -12,6 +12,7 @@ import pytest
 from airflow_provider_horovod import HorovodRunner, runtime
 from airflow_provider_horovod.runner import names
 from airflow_provider_horovod.runner.rank import preemption
+from airflow_provider_horovod.runner.task.termination import announce
 
 
 def test_outside_a_rank_nothing_is_preempting(monkeypatch):
@@ -25,8 +26,8 @@ def test_a_notice_to_the_task_reaches_every_rank_of_it_and_the_callback_runs_onc
     called = threading.Event()
     runtime.on_preemption(lambda: (calls.append(threading.current_thread().name), called.set()))
     assert runtime.preempting() is False and not called.wait(0.3)
-    preemption.announce(tmp_path)
-    preemption.announce(tmp_path)  # a second notice changes nothing
+    announce(tmp_path)
+    announce(tmp_path)  # a second notice changes nothing
     assert called.wait(5) and runtime.preempting() is True
     assert calls == ["hvdrunner-preemption"]
 
@@ -53,7 +54,7 @@ def test_a_watch_stopped_before_any_notice_never_calls(monkeypatch, tmp_path):
     thread = preemption.on_preemption(lambda: calls.append(1), stop)
     stop.set()
     thread.join(5)
-    preemption.announce(tmp_path)
+    announce(tmp_path)
     assert not thread.is_alive() and calls == []
 
 

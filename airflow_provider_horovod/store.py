@@ -1,12 +1,14 @@
 """The artifact store: where a task instance's tries and checkpoint versions live, and what their
 markers say. The hook, the try's recorder (``recorder.py``) and the Horovod view call it; none of
-them spells a path.
+them spells a path but the view, which walks a task's folder on local disk one name at a time
+(``plugins/store.py``: its ``map-<i>``).
 
 The layout, under the artifact root (any ``ObjectStoragePath`` URL)::
 
     <dag_id>/<run_id>/<task_id>[/map-<i>]/try-<n>/   a try folder: ``records.Layout``, as the engine's
-                                                      artifact_dir, plus metrics.jsonl, result.pkl and
-                                                      the try's marker _ARTIFACTS.json, written last
+                                                      artifact_dir, plus the store's own: metrics/,
+                                                      result.pkl and the try's marker _ARTIFACTS.json,
+                                                      written last
 
 A version counts only once its marker is there, so a reader never sees half a version as
 complete. A try that never wrote its final marker (its task process was killed) still offers

@@ -54,13 +54,14 @@ class HorovodRunnerOperator(BaseOperator):
     Rank logs stream into the task log, tagged by rank. Rank 0's return value and the stored
     artifacts (timeline, rank 0's checkpoints) come back as the ``return_value``
     XCom, a JSON dict with ``result``, ``artifacts_uri``, ``checkpoint_uri``, ``timeline_uri``,
-    ``np``, ``launcher``, ``try_number``, ``duration_s`` and ``metrics`` (rank 0's
+    ``np``, ``launcher``, ``try_number``, ``duration_s``, ``attempts`` (one per barrier stage of the
+    try: ``number``, ``np``, ``ending``, ``cause``, ...) and ``metrics`` (rank 0's
     newest ``runtime.report``: its values, ``step`` and ``total_steps``). ``artifacts_uri``,
-    ``checkpoint_uri``, ``timeline_uri``, ``try_number``, ``duration_s`` and ``metrics`` are also pushed under
-    their own keys, ``horovod_<name>``, by every try that got as far as storing its artifacts
-    (failed and cancelled ones included).
+    ``checkpoint_uri``, ``timeline_uri``, ``try_number``, ``duration_s``, ``metrics`` and ``attempts`` are
+    also pushed under their own keys, ``horovod_<name>``, by every try that got as far as storing its
+    artifacts (failed and cancelled ones included).
 
-    Artifacts go to ``<artifact_root>/<dag_id>/<run_id>/<task_id>/try-<n>/``. Each checkpoint rank 0
+    Artifacts go to ``<artifact_root>/<dag_id>/<run_id>/<task_id>[/map-<i>]/try-<n>/``. Each checkpoint rank 0
     completes is committed there while training runs, as a version (``versions/<seq>/``). A retry,
     or a clear of the task in the UI, starts a new ``try-<n>`` folder and (with ``resume="auto"``)
     hands the newest committed checkpoint of the earlier tries, a killed try's included, to the

@@ -1,5 +1,7 @@
 """``HorovodRunner(np).run(main, **kwargs)``: the seed's API. A run checks its input, drives its
-attempt (one barrier stage, ``attempt.py``) and commits what rank 0 handed over at the end."""
+attempts (one barrier stage each, ``attempt.py``; another after one that lost its infrastructure,
+within ``max_restarts``, ``restarts.py``), keeps each checkpoint version rank 0 commits as it comes
+(``versions.py``) and commits what rank 0 handed over at the end."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def test_every_process_of_a_host_gets_the_stall_check_and_the_users_env_wins(tmp
 
     from airflow_provider_horovod.runner.task.barrier import base_env
     from airflow_provider_horovod.runner.names import TaskDir
-    from tests.unit.runner.test_host import spec
+    from tests.unit.runner.task.test_host import spec
 
     for launcher in ("mpirun", "gloo"):
         env = base_env(dataclasses.replace(spec(launcher), stall_timeout_s=8), TaskDir(tmp_path))

@@ -10,7 +10,7 @@ from airflow_provider_horovod.runner.driver.supervisor import Deadlines, Stop
 from airflow_provider_horovod.runner.driver.restarts import Ending, ending_of
 from airflow_provider_horovod.runner.events import RankBeat, RanksInspected
 from airflow_provider_horovod.runner.rank import stacks
-from tests.unit.runner.test_supervisor import launched
+from tests.unit.runner.driver.test_supervisor import launched
 
 STALL_S = 600.0  # the supervisor of test_supervisor.launched() has the default stall timeout
 

@@ -42,7 +42,7 @@ from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.dataset import DatasetSpec, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
 from airflow_provider_horovod.runner.driver import executors
-from airflow_provider_horovod.runner.driver.capacity import can_grow, fixed_slots, worker_decommissioned
+from airflow_provider_horovod.runner.driver.capacity import available_slots, can_grow, fixed_slots, worker_decommissioned
 from airflow_provider_horovod.runner.driver.capacity import master_of as _master
 from airflow_provider_horovod.runner.driver.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.driver.preemption import DecommissionWatch
@@ -388,19 +388,10 @@ class Attempt:
                 "spark.dynamicAllocation.enabled=false for this session (or its connection's extras)."
             )
 
-    def _available_slots(self, spark: Any) -> int | None:
-        """How many barrier tasks the cluster can run at once (classic sessions only)."""
-        with contextlib.suppress(Exception):
-            sc = spark.sparkContext
-            jsc = sc._jsc.sc()
-            profile = jsc.resourceProfileManager().defaultResourceProfile()
-            return int(jsc.maxNumConcurrentTasks(profile))
-        return None
-
     def _wait_for_slots(self, spark: Any) -> None:
         """Until the cluster has ``np`` barrier slots (executors that register late, slots other jobs
         hold), within ``start_timeout``; the log says what it waits for and how long it took."""
-        self.slots = self._available_slots(spark)
+        self.slots = available_slots(spark)
         if self.slots is None or self.slots >= self.np:
             return
         master = _master(spark)
@@ -425,7 +416,7 @@ class Attempt:
                     % (self.np, self.np, self.slots, self.options.start_timeout)
                 )
             time.sleep(0.5)
-            self.slots = self._available_slots(spark) or 0
+            self.slots = available_slots(spark) or 0
         log.info("The cluster has %d barrier slots after waiting %.1f s for them", self.slots, time.monotonic() - started)
 
     def _slots_for_restart(self, spark: Any) -> int:
@@ -435,7 +426,7 @@ class Attempt:
         else ``InsufficientSlotsError``."""
         policy, began, minimum_since, told = self.options.restarts, time.monotonic(), None, False
         while True:
-            slots, now = self._available_slots(spark), time.monotonic()
+            slots, now = available_slots(spark), time.monotonic()
             if slots is not None and slots >= (policy.min_np or self.np):
                 minimum_since = minimum_since or now
             else:

@@ -12,11 +12,9 @@ modules directly in ``runner/``. Arrows run down, from a caller to what it calls
 - ``task/`` does not import ``driver/`` (the driver runs the barrier stage);
 - no module of the engine is part of an import cycle.
 
-Deliberate exceptions, each an arrow this test leaves out (``EXCEPTIONS``), with its reason:
-
-- ``driver.attempt`` -> ``driver.runner``: a ``TYPE_CHECKING`` import for the annotation of the
-  runner an ``Attempt`` is given (it never runs; the runner imports the attempt). Decision 23 wants an
-  attempt to receive values, not its runner: that change is not a move, and is left to it.
+Deliberate exceptions, each an arrow this test leaves out (``EXCEPTIONS``), with its reason: none
+today (an ``Attempt`` receives values, ``AttemptOptions``, not its runner: ``driver.attempt`` imports
+no ``driver.runner``).
 
 A rank's command, ``launchers.processes.WORKER``, names ``runner.rank.worker`` as a string for
 ``python -m``: a process started, not an import.
@@ -43,9 +41,7 @@ FORBIDDEN = {
     "task": {"driver"},
     "driver": set(),
 }
-EXCEPTIONS = {  # (importer, imported): arrows left out of every rule, each with its reason in the docstring
-    ("%s.driver.attempt" % PACKAGE, "%s.driver.runner" % PACKAGE),
-}
+EXCEPTIONS: set[tuple[str, str]] = set()  # (importer, imported): arrows left out of every rule, each with its reason in the docstring
 
 
 def module_name(path: Path) -> str:

@@ -1,7 +1,9 @@
-"""Run Horovod training jobs on Spark, in one barrier stage, from Apache Airflow.
+"""Run Horovod (or plain torch.distributed) training jobs on Spark, in one barrier stage, from Apache Airflow.
 
-The engine (``HorovodRunner``) imports no Airflow; the Airflow layer lives in ``hooks``,
-``operators`` and ``decorators``.
+The engine (``runner/``, ``HorovodRunner``) imports no Airflow, and neither does ``runtime`` (what
+training code imports). The Airflow layer is ``operators``, ``decorators``, ``hooks``, ``plugins``
+(the Horovod view), ``links``, ``retry``, the try's recorder (``recorder``), its metrics
+(``metrics``) and the artifact store (``store``); ``builder`` builds Horovod itself.
 """
 
 from __future__ import annotations

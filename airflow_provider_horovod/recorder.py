@@ -31,8 +31,7 @@ from airflow_provider_horovod import retry, store
 from airflow_provider_horovod.exceptions import HorovodRunError
 from airflow_provider_horovod.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsRecorder, check_progress_interval
 from airflow_provider_horovod.runner.events import Failure, RunReport, RunStatus
-from airflow_provider_horovod.runner.options import Launcher
-from airflow_provider_horovod.runner.versions import DEFAULT_KEEP
+from airflow_provider_horovod.runner.options import DEFAULT_KEEP, Launcher
 
 if TYPE_CHECKING:
     import logging
@@ -197,7 +196,7 @@ class TryRecorder:
         not_stored = self.drain(self._uploads)
         if self._tracking is not None:
             self._tracking.finish(status.value, {"checkpoint": report.checkpoint_path,
-                                                 "timeline": report.timeline_path}, report.attempts)
+                                                 "timeline": report.timeline_path}, report.attempts_json())
         failure = self.explain_failure(error, report)
         xcom = self.store_try(self.local, result, report, status, failure, not_stored)
         xcom["metrics"] = metrics
@@ -247,7 +246,7 @@ class TryRecorder:
             resumed_from=str(resumed_from.path) if resumed_from is not None else None,
             resumed_from_try=resumed_from.try_number if resumed_from is not None else None,
             resumed_from_step=resumed_from.step if resumed_from is not None else None,
-            error=failure, attempts=tuple(report.attempts), not_stored=tuple(not_stored),
+            error=failure, attempts=tuple(report.attempts_json()), not_stored=tuple(not_stored),
         )
         committed = store.store_try(local, self.folder, marker, extra_files=extra_files)
         newest = store.newest_checkpoint(self.folder)
@@ -262,7 +261,7 @@ class TryRecorder:
             "launcher": launcher,
             "try_number": self.try_number,
             "duration_s": report.duration_s,
-            "attempts": report.attempts,
+            "attempts": report.attempts_json(),
         }
 
     def record_final_checkpoint(self) -> None:

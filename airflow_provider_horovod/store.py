@@ -1,12 +1,14 @@
 """The artifact store: where a task instance's tries and checkpoint versions live, and what their
 markers say. The hook, the try's recorder (``recorder.py``) and the Horovod view call it; none of
-them spells a path.
+them spells a path but the view, which walks a task's folder on local disk one name at a time
+(``plugins/store.py``: its ``map-<i>``).
 
 The layout, under the artifact root (any ``ObjectStoragePath`` URL)::
 
     <dag_id>/<run_id>/<task_id>[/map-<i>]/try-<n>/   a try folder: ``records.Layout``, as the engine's
-                                                      artifact_dir, plus metrics.jsonl, result.pkl and
-                                                      the try's marker _ARTIFACTS.json, written last
+                                                      artifact_dir, plus the store's own: metrics/,
+                                                      result.pkl and the try's marker _ARTIFACTS.json,
+                                                      written last
 
 A version counts only once its marker is there, so a reader never sees half a version as
 complete. A try that never wrote its final marker (its task process was killed) still offers
@@ -40,6 +42,7 @@ from typing import Any
 
 from airflow_provider_horovod.exceptions import ArtifactError, ArtifactSettingsError
 from airflow_provider_horovod.runner import records
+from airflow_provider_horovod.runner.hardlinks import link_tree
 from airflow_provider_horovod.runner.records import (
     CHECKPOINTS,
     METRICS,
@@ -237,7 +240,7 @@ class VersionUploads:
 
     def offer(self, version: Version, local: Path) -> None:
         staged = self.staging / records.version_name(version.seq)
-        _link_tree(local, staged, version_files(version))
+        link_tree(local, staged, version_files(version), copy=shutil.copyfile)
         with self._cond:
             if self._closed:
                 shutil.rmtree(staged, ignore_errors=True)
@@ -290,16 +293,6 @@ class VersionUploads:
                 with self._cond:
                     self._busy = None
                     self._cond.notify_all()
-
-
-def _link_tree(source: Path, target: Path, files: tuple[str, ...]) -> None:
-    for rel in files:
-        dest = target / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(source / rel, dest)
-        except OSError:  # another file system, or one without hard links
-            shutil.copyfile(source / rel, dest)
 
 
 def versions(folder: Any) -> list[tuple[Version, Any]]:

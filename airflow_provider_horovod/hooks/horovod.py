@@ -127,7 +127,7 @@ class SparkTarget:
     connect_timeout: float = CONNECT_TIMEOUT_S
 
     @property
-    def where(self) -> str:
+    def location(self) -> str:
         """The target without credentials, for logs."""
         if self.remote:
             return self.remote.split(";", 1)[0].rstrip("/")
@@ -136,8 +136,8 @@ class SparkTarget:
     def described(self) -> str:
         """The connection and where it points, for errors."""
         if self.embedded_fallback:
-            return "the embedded Spark (master %s; no %r connection is defined)" % (self.where, self.conn_id)
-        return "connection %r (%s %s)" % (self.conn_id, "Spark Connect URL" if self.remote else "master", self.where)
+            return "the embedded Spark (master %s; no %r connection is defined)" % (self.location, self.conn_id)
+        return "connection %r (%s %s)" % (self.conn_id, "Spark Connect URL" if self.remote else "master", self.location)
 
 
 class HorovodRunnerHook(BaseHook):
@@ -296,7 +296,7 @@ class HorovodRunnerHook(BaseHook):
             active = self._active_session({**conf, "spark.master": str(target.master)})
             self._owns_session = active is None
             builder = builder.master(target.master)
-        self.log.info("Starting a SparkSession on %s (connection %r)", target.where, target.conn_id)
+        self.log.info("Starting a SparkSession on %s (connection %r)", target.location, target.conn_id)
         if target.remote or active is None:
             self._prepare_new_session(target, conf)
         self._session = builder.getOrCreate()
@@ -713,7 +713,7 @@ def endpoints(target: SparkTarget) -> tuple[str, list[tuple[str, int]]]:
     the Spark Connect server. None for ``local[N]`` (no master process) and ``yarn``, whose ResourceManager's
     address lives in the Hadoop configuration that spark-submit reads (a missing one is its own error).
     """
-    where = target.where
+    where = target.location
     if target.remote:
         return "sc", [_address(target, where, ENDPOINT_KINDS["sc"][1])]
     if where.startswith("spark://"):

@@ -19,19 +19,19 @@ from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook, check_root
 from airflow_provider_horovod.recorder import RESUME_AUTO, RESUME_NEVER, TryRecorder, TrySettings, is_json
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
-from airflow_provider_horovod.runner.driver.restarts import AttemptRecord
 from airflow_provider_horovod.runner.events import RunReport, RunStatus
 from airflow_provider_horovod.runner.options import (
+    DEFAULT_KEEP,
     DEFAULT_LAST_CALL_S,
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_START_TIMEOUT_S,
     Launcher,
+    check_keep,
     check_last_call,
     check_options,
     check_restarts,
 )
 from airflow_provider_horovod.runner.payload import check_arguments
-from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, check_keep
 from airflow_provider_horovod.links import HorovodTimelineLink, MlflowRunLink, SparkUILink
 
 if TYPE_CHECKING:
@@ -54,13 +54,14 @@ class HorovodRunnerOperator(BaseOperator):
     Rank logs stream into the task log, tagged by rank. Rank 0's return value and the stored
     artifacts (timeline, rank 0's checkpoints) come back as the ``return_value``
     XCom, a JSON dict with ``result``, ``artifacts_uri``, ``checkpoint_uri``, ``timeline_uri``,
-    ``np``, ``launcher``, ``try_number``, ``duration_s`` and ``metrics`` (rank 0's
+    ``np``, ``launcher``, ``try_number``, ``duration_s``, ``attempts`` (one per barrier stage of the
+    try: ``number``, ``np``, ``ending``, ``cause``, ...) and ``metrics`` (rank 0's
     newest ``runtime.report``: its values, ``step`` and ``total_steps``). ``artifacts_uri``,
-    ``checkpoint_uri``, ``timeline_uri``, ``try_number``, ``duration_s`` and ``metrics`` are also pushed under
-    their own keys, ``horovod_<name>``, by every try that got as far as storing its artifacts
-    (failed and cancelled ones included).
+    ``checkpoint_uri``, ``timeline_uri``, ``try_number``, ``duration_s``, ``metrics`` and ``attempts`` are
+    also pushed under their own keys, ``horovod_<name>``, by every try that got as far as storing its
+    artifacts (failed and cancelled ones included).
 
-    Artifacts go to ``<artifact_root>/<dag_id>/<run_id>/<task_id>/try-<n>/``. Each checkpoint rank 0
+    Artifacts go to ``<artifact_root>/<dag_id>/<run_id>/<task_id>[/map-<i>]/try-<n>/``. Each checkpoint rank 0
     completes is committed there while training runs, as a version (``versions/<seq>/``). A retry,
     or a clear of the task in the UI, starts a new ``try-<n>`` folder and (with ``resume="auto"``)
     hands the newest committed checkpoint of the earlier tries, a killed try's included, to the
@@ -354,7 +355,7 @@ class HorovodRunnerOperator(BaseOperator):
         )
         if len(report.attempts) > 1:
             self.log.info("Horovod attempts in this try (restarts after lost infrastructure): %s",
-                          "; ".join(AttemptRecord.from_json(a).describe() for a in report.attempts))
+                          "; ".join(a.describe() for a in report.attempts))
         versions = report.checkpoints
         if versions:
             self.log.info("Checkpoint versions committed during this try: %s",

@@ -200,6 +200,57 @@ class RunStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+class Ending(enum.StrEnum):
+    """How one attempt ended (``AttemptRecord.ending``; the restart policy's input, ``driver/restarts.py``)."""
+
+    SUCCESS = "success"
+    LOST = "lost"  # lost infrastructure: the only ending that restarts
+    FAILED = "failed"  # the training function, its payload, environment or dataset: never restarts
+    CANCELLED = "cancelled"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptRecord:
+    """One attempt of a run, as the task log, ``last_run.attempts``, the XCom and the view show it
+    (the last three as ``to_json()``: the XCom, the try's marker and MLflow's tags hold that dict)."""
+
+    number: int  # 0, 1, ...: ``runtime.attempt()`` inside its ranks
+    np: int
+    started_s: float  # seconds since run() began
+    resumed_from: dict[str, Any] | None = None  # {"seq", "step"} of the driver's version, or {"path"}
+    restart_s: float | None = None  # from the loss that ended the attempt before to this one's ranks starting
+    ending: Ending | None = None
+    cause: str | None = None  # the one line that says why it ended (None: it succeeded)
+    duration_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["ending"] = None if self.ending is None else self.ending.value
+        return out
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> AttemptRecord:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        known = {k: v for k, v in raw.items() if k in fields}
+        if known.get("ending") is not None:
+            known["ending"] = Ending(known["ending"])
+        return cls(**known)
+
+    def describe(self) -> str:
+        """``attempt 1 (2 ranks, resumed from version 3, step 7): lost: The barrier task ... died``."""
+        what = "%d rank%s" % (abs(self.np), "" if abs(self.np) == 1 else "s")
+        if self.resumed_from:
+            what += ", resumed from %s" % resumed_text(self.resumed_from)
+        return "attempt %d (%s): %s%s" % (self.number, what, self.ending or "running",
+                                          ": %s" % self.cause if self.cause else "")
+
+
+def resumed_text(resumed_from: Mapping[str, Any]) -> str:
+    if "seq" in resumed_from:
+        return "version %s (step %s)" % (resumed_from["seq"], resumed_from.get("step"))
+    return str(resumed_from.get("path"))
+
+
 @dataclasses.dataclass(eq=False)
 class RunReport:
     """``HorovodRunner.last_run``: how the newest run went, one field each."""
@@ -211,8 +262,6 @@ class RunReport:
     result: Any = None
     duration_s: float | None = None
     coordination: str | None = None  # "channel" (the driver's channel), "spark" (allGather), "local"
-    spark_ui_url: str | None = None
-    job_tag: str | None = None
     artifact_dir: str | None = None
     artifacts: dict[str, Any] | None = None  # the committed marker
     timeline_path: str | None = None
@@ -227,5 +276,9 @@ class RunReport:
     error: dict[str, Any] | None = None  # the failure report, as JSON
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds since run() began
-    attempts: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # restarts.AttemptRecord, one per stage
+    attempts: list[AttemptRecord] = dataclasses.field(default_factory=list)  # one per stage
     rejected_connections: int = 0
+
+    def attempts_json(self) -> list[dict[str, Any]]:
+        """``attempts`` as the XCom, the try's marker and MLflow's tags hold them."""
+        return [attempt.to_json() for attempt in self.attempts]

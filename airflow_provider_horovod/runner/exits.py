@@ -42,7 +42,8 @@ def exit_text(code: int) -> str:
     return "exited with code %d" % code
 
 
-def where(slot: Slot | None) -> str:
+def who(slot: Slot | None) -> str:
+    """Who a failure's message names: ``Rank 1 on host h (executor 3)``, or ``The job``."""
     if slot is None:
         return "The job"
     return "Rank %d on host %s (executor %s)" % (slot.rank, slot.hostname, slot.executor)
@@ -67,7 +68,7 @@ def rank_exit_failure(slot: Slot, code: int, *, stopping: bool) -> Failure:
         return dataclasses.replace(own, exit=exit_text(code), consequence=stopping)
     how = exit_text(code)
     return Failure(
-        message="%s %s%s" % (where(slot), how, " after the job was told to stop" if stopping else ""),
+        message="%s %s%s" % (who(slot), how, " after the job was told to stop" if stopping else ""),
         rank=slot.rank, host=slot.hostname, executor=slot.executor, exit=how,
         tail=tuple(tail(task.rank_log(slot.rank))), consequence=stopping,
     )

@@ -115,6 +115,7 @@ OUTBOX_DIR = "outbox"  # rank 0's task: the checkpoint version on its way to the
 COMMITS_DIR = "commits"  # rank 0's task: runtime.commit_checkpoint's snapshot, until shipped
 TIMELINE_FILE = "timeline.json"
 DATASET_FILE = "dataset.arrow"  # the task's partition of dataset=, for the rank of this task
+PREEMPTING_FILE = "preempting"  # the task's preemption notice to its ranks (task/termination.announce)
 
 
 # Temporary folders are named after the process that owns them, so a later task can remove those
@@ -177,6 +178,7 @@ class TaskDir:
     resume = property(lambda self: self.path / RESUME_DIR)
     exec_key = property(lambda self: self.path / EXEC_KEY)
     dataset = property(lambda self: self.path / DATASET_FILE)
+    preempting = property(lambda self: self.path / PREEMPTING_FILE)
 
     def rank_key(self, rank: int) -> Path:
         return self.path / (RANK_KEY % rank)

@@ -14,6 +14,7 @@ DEFAULT_LAST_CALL_S = 30.0  # a restart with min_np slots waits this long for th
 # one rank for another (rank 0 saving or evaluating), far shorter than an execution_timeout
 DEFAULT_STALL_TIMEOUT_S = 600.0
 DEFAULT_PROGRESS_INTERVAL_S = 30.0  # the operator's progress_interval, [horovod] progress_interval
+DEFAULT_KEEP = 2  # keep_checkpoints: the newest versions a run (a try) keeps
 
 
 def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: float,
@@ -39,6 +40,12 @@ def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: fl
     if timeline and not facts_of(launcher).runs_horovod:
         raise ValueError("timeline=True records a Horovod timeline, and launcher=%r runs no Horovod. Leave timeline "
                          "off, and %s." % (str(launcher), facts_of(launcher).no_timeline_hint))
+
+
+def check_keep(keep: object) -> int:
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError("keep_checkpoints must be an int >= 1 (the newest versions kept per try); got %r" % (keep,))
+    return keep
 
 
 def check_restarts(max_restarts: object, min_np: object, np: object = None) -> None:

@@ -48,7 +48,7 @@ def shm_of_this_host(path: str = SHM) -> tuple[int, int]:
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
-def where(f: TaskFacts) -> str:
+def host_text(f: TaskFacts) -> str:
     """``host trainer-0 (executor 10.1.0.3:39201, address 10.1.0.3)``: a user finds the container by
     its own name, the runner by its executor (names can repeat; executors cannot)."""
     return "host %s (executor %s, address %s)" % (f.machine or "?", f.executor, f.address)
@@ -68,7 +68,7 @@ def shm_refusal(facts: Iterable[TaskFacts]) -> str | None:
         if 0 <= f.shm_free < REFUSE_FREE:
             return ("/dev/shm on %s is full (%s free of %s) and its %d rank(s) would fail at their first "
                     "shared-memory allocation (Python's multiprocessing locks, Open MPI, NCCL, torch): "
-                    "free it (files left by earlier jobs) or %s." % (where(f), size_text(f.shm_free),
+                    "free it (files left by earlier jobs) or %s." % (host_text(f), size_text(f.shm_free),
                                                                      size_text(f.shm_size), ranks, FIX))
     return None
 
@@ -81,7 +81,7 @@ def shm_warnings(facts: Iterable[TaskFacts]) -> list[str]:
             out.append("/dev/shm on %s is %s for %d rank(s), below the %s this provider asks per rank: NCCL, "
                        "Open MPI's shared-memory transport and PyTorch's DataLoader workers fail there with \"No "
                        "space left on device\", a bus error or a hang when it runs out. If the ranks use them, %s."
-                       % (where(f), size_text(f.shm_size), ranks, size_text(WARN_PER_RANK), FIX))
+                       % (host_text(f), size_text(f.shm_size), ranks, size_text(WARN_PER_RANK), FIX))
     return out
 
 

@@ -26,7 +26,7 @@ class RunSpec:
     driver_python: str
     driver_stack: dict[str, str] = dataclasses.field(default_factory=dict)  # environment.stack_of_this_host()
     gloo_timeout_s: int = 60
-    stall_timeout_s: int = int(DEFAULT_STALL_TIMEOUT_S)  # Horovod's stall shutdown (``stall.stall_env``)
+    stall_timeout_s: int = int(DEFAULT_STALL_TIMEOUT_S)  # Horovod's stall shutdown (``horovod_stall.stall_env``)
     timeline: bool = False
     collect_artifacts: bool = False
     has_resume: bool = False

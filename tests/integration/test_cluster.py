@@ -190,7 +190,7 @@ def test_the_executors_of_rank_1_then_rank_0_killed_mid_training_cost_one_restar
 @pytest.mark.parametrize("launcher", ["mpirun", "gloo", "torch"])
 def test_an_engine_run_without_artifact_dir_keeps_every_committed_version_in_its_run_folder_for_its_restarts(
         restart_runs, launcher):
-    from airflow_provider_horovod.runner.versions import committed
+    from airflow_provider_horovod.runner.driver.versions import committed
 
     got = restart_runs[launcher]  # HorovodRunner(2, max_restarts=2): no artifact_dir
     folder = Path(got["artifact_dir"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_horovod import ArtifactError, HorovodRunner
-from airflow_provider_horovod.runner import versions
+from airflow_provider_horovod.runner.driver import versions
 from tests.conftest import wait_no_run_processes
 from tests.integration import jobs
 

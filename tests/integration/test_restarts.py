@@ -13,7 +13,7 @@ import time
 import pytest
 
 from airflow_provider_horovod import HorovodRunError, HorovodRunner, RunCancelledError
-from airflow_provider_horovod.runner.versions import committed
+from airflow_provider_horovod.runner.driver.versions import committed
 from tests.integration import jobs
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def test_restarts_run_out_with_an_error_naming_every_attempts_cause_and_the_vers
     assert "The run made 2 attempts (max_restarts=1):" in text
     assert "  attempt 0 (2 ranks): lost: The barrier task of partition 1" in text
     assert "  attempt 1 (2 ranks, resumed from version " in text and text.count("died") >= 3
-    first, second = runner.last_run.attempts
+    first, second = runner.last_run.attempts_json()
     assert (first["ending"], second["ending"]) == ("lost", "lost")
     steps = [v["step"] for v in runner.last_run.checkpoints if v["step"] is not None]
     assert second["resumed_from"]["step"] >= 3 and max(steps) >= second["resumed_from"]["step"] + 3
@@ -43,7 +43,7 @@ def test_a_task_told_to_terminate_tells_every_rank_and_the_restart_resumes_from_
     runner = HorovodRunner(2, launcher="gloo", spark=spark, artifact_dir=tmp_path, max_restarts=1)
     runner.deadlines = dataclasses.replace(runner.deadlines, preempt_grace_s=4.0)  # rank 0's version lands well within it
     result = runner.run(jobs.preemptible_job, notice="sigterm")
-    lost, restarted = runner.last_run.attempts
+    lost, restarted = runner.last_run.attempts_json()
     assert (lost["ending"], restarted["ending"]) == ("lost", "success")
     assert "was told to terminate (SIGTERM)" in lost["cause"]
     (notice,) = [e for e in runner.last_run.events if e.get("kind") == "preempting"]
@@ -60,7 +60,7 @@ def test_a_user_exception_fails_once_and_never_restarts(spark, no_leftover_proce
     runner = HorovodRunner(2, launcher="gloo", spark=spark, max_restarts=2)
     with pytest.raises(HorovodRunError, match="boom from rank 1") as info:
         runner.run(jobs.failing_job, fail_rank=1)
-    assert [a["ending"] for a in runner.last_run.attempts] == ["failed"]
+    assert [a["ending"] for a in runner.last_run.attempts_json()] == ["failed"]
     assert "attempts" not in str(info.value)
 
 
@@ -77,7 +77,7 @@ def test_a_cancel_during_a_restart_leaves_no_process(spark, tmp_path, no_leftove
     thread.join(30)
     assert not thread.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], RunCancelledError)
-    assert [a["ending"] for a in runner.last_run.attempts] == ["lost", "cancelled"]
+    assert [a["ending"] for a in runner.last_run.attempts_json()] == ["lost", "cancelled"]
 
 
 class _TimedOut(BaseException):
@@ -126,7 +126,7 @@ def test_a_signal_arriving_in_the_main_thread_during_a_restart_leaves_no_process
     finally:
         sender.join(60)
         signal.signal(signum, previous)
-    assert [a["ending"] for a in runner.last_run.attempts] == ["lost", "cancelled"]
+    assert [a["ending"] for a in runner.last_run.attempts_json()] == ["lost", "cancelled"]
     assert spark.range(3).count() == 3  # the shared session still answers
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from airflow_provider_horovod import HorovodRunError, HorovodRunner, StallError
-from airflow_provider_horovod.runner import versions
+from airflow_provider_horovod.runner.driver import versions
 from tests.integration import jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
@@ -75,6 +75,6 @@ def test_a_rank_that_stalls_at_step_3_fails_the_try_naming_it_and_where_it_is(sp
 def test_a_stopped_rank_is_lost_infrastructure_and_the_try_restarts_and_finishes(spark, tmp_path):
     runner = HorovodRunner(2, launcher="torch", spark=spark, stall_timeout=STALL_TIMEOUT_S, max_restarts=1)
     assert runner.run(jobs.stalling_job, collective="torch", how="sigstop", marker=str(tmp_path / "at"), attempts=1) == 5
-    first, second = runner.last_run.attempts
+    first, second = runner.last_run.attempts_json()
     assert first["ending"] == "lost" and first["cause"].startswith("stalled: rank 1 is stopped"), first
     assert second["ending"] == "success"

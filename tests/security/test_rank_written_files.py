@@ -19,7 +19,7 @@ from airflow_provider_horovod.runner import records
 from airflow_provider_horovod.runner.driver.artifact_dir import commit
 from airflow_provider_horovod.runner.messages import MAX_TIME, PutVersion, Report
 from airflow_provider_horovod.runner.transfer import Limits
-from airflow_provider_horovod.runner.versions import VersionSink
+from airflow_provider_horovod.runner.driver.versions import VersionSink
 from airflow_provider_horovod.runner.wire import ProtocolError
 
 

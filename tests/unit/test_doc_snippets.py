@@ -98,7 +98,7 @@ RUN = {
         "tests/integration/test_doc_snippets.py::test_how_to_training_function_and_engine_snippets_run_as_written",
     ("7.", "horovod.tensorflow.keras.DistributedOptimizer was given a Keras 3 object, "
            "keras.src.optimizers.sgd.SGD"):
-        "tests/unit/runner/test_keras_guard.py::test_keras_3_objects_are_refused_and_tf_keras_objects_train",
+        "tests/unit/runner/rank/test_keras_guard.py::test_keras_3_objects_are_refused_and_tf_keras_objects_train",
     ("8.", "@task.horovod(np=2, dataset=\"SELECT pixels, label FROM parquet.`/data/digits` WHERE day <= '{{ ds }}'\")"):
         "tests/unit/test_doc_snippets.py::test_the_docs_dag_snippets_parse_into_their_dags",
     ("10.", "def train(epochs: int, lr: float = 0.05):"):

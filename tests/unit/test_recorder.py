@@ -19,7 +19,7 @@ from airflow_provider_horovod.recorder import TryRecorder, TrySettings
 from airflow_provider_horovod.runner.driver.artifact_dir import commit
 from airflow_provider_horovod.runner.events import RunReport, RunStatus
 from airflow_provider_horovod.runner.messages import Report
-from airflow_provider_horovod.runner.versions import Version
+from airflow_provider_horovod.runner.records import Version
 
 log = logging.getLogger("test_recorder")
 

@@ -28,10 +28,6 @@ Deliberate exceptions, each an arrow this test leaves out (``EXCEPTIONS``), with
   the writer stands beside its one reader. It is a function call inside ``commit_checkpoint`` and
   imports nothing of the task when a rank starts.
 
-- ``driver.attempt`` -> ``driver.runner``: a ``TYPE_CHECKING`` import for the annotation of the
-  runner an ``Attempt`` is given (it never runs; the runner imports the attempt). Decision 23 wants an
-  attempt to receive values, not its runner: that change is not a move, and is left to it.
-
 A rank's command, ``launchers.processes.WORKER``, names ``runner.rank.worker`` as a string for
 ``python -m``: a process started, not an import.
 """
@@ -61,7 +57,6 @@ FORBIDDEN = {
 RUNTIME = "%s.runtime" % PACKAGE.rpartition(".")[0]  # the training code's face, a module of the rank
 EXCEPTIONS = {  # (importer, imported): arrows left out of every rule, each with its reason in the docstring
     (RUNTIME, "%s.task.shipper" % PACKAGE),
-    ("%s.driver.attempt" % PACKAGE, "%s.driver.runner" % PACKAGE),
 }
 
 

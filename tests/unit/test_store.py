@@ -14,7 +14,7 @@ from airflow_provider_horovod import store
 from airflow_provider_horovod.exceptions import ArtifactError
 from airflow_provider_horovod.hooks.horovod import HorovodRunnerHook
 from airflow_provider_horovod.runner.records import RUN_MARKER as ENGINE_MARKER
-from airflow_provider_horovod.runner.versions import Version
+from airflow_provider_horovod.runner.records import Version
 
 
 def prepare(root, try_number: int):
@@ -266,7 +266,7 @@ WRITER = """
 import os, sys, time
 from pathlib import Path
 from airflow_provider_horovod import store
-from airflow_provider_horovod.runner.versions import Version
+from airflow_provider_horovod.runner.records import Version
 root, local = sys.argv[1], Path(sys.argv[2])
 folder = store.prepare_try(root, dag_id="d", run_id="r", task_id="t", try_number=1)
 for seq in range(1, 100):

@@ -4,7 +4,9 @@ rank processes, no Spark job).
 An attempt owns what lives for one stage: its secret, the channel the tasks and ranks report to, the
 events and the supervisor that decides on them. The run that drives it (``runner.HorovodRunner.run``)
 owns the options, the payload, the artifact folder and the versions committed so far, and commits
-the end. The supervisor stays pure: this module carries out its actions (``act``).
+the end; it hands each attempt values, never itself (as Ray Train's controller hands its worker group
+a context): the run's ``AttemptOptions``, how to get the SparkSession, and the run's cancel event.
+The supervisor stays pure: this module carries out its actions (``act``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import cloudpickle
 
@@ -40,14 +42,15 @@ from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.dataset import DatasetSpec, prepare_dataset
 from airflow_provider_horovod.runner.dataset import describe as describe_dataset
 from airflow_provider_horovod.runner.driver import executors
-from airflow_provider_horovod.runner.driver.capacity import can_grow, fixed_slots, worker_decommissioned
+from airflow_provider_horovod.runner.driver.capacity import available_slots, can_grow, fixed_slots, worker_decommissioned
 from airflow_provider_horovod.runner.driver.capacity import master_of as _master
 from airflow_provider_horovod.runner.driver.channel import Channel, RankOutput
 from airflow_provider_horovod.runner.driver.preemption import DecommissionWatch
-from airflow_provider_horovod.runner.driver.restarts import Ending, ending_of
+from airflow_provider_horovod.runner.driver.restarts import Ending, RestartPolicy, ending_of
 from airflow_provider_horovod.runner.driver.supervisor import (
     Action,
     CutOff,
+    Deadlines,
     PlanError,
     Release,
     SendPlan,
@@ -60,16 +63,15 @@ from airflow_provider_horovod.runner.environment import stack_of_this_host
 from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RanksInspected, RunReport
 from airflow_provider_horovod.runner.plan import LOCAL_EXECUTOR, Plan, TaskFacts, host_identity, make_plan, slot_summary
 from airflow_provider_horovod.runner.exits import ERROR_MARKER, TaskFailure, parse_failure
+from airflow_provider_horovod.runner.options import Launcher
 from airflow_provider_horovod.runner.readiness import check_facts, shm_warnings
 from airflow_provider_horovod.runner.spec import RunSpec
-from airflow_provider_horovod.runner.stall import stall_in
+from airflow_provider_horovod.runner.horovod_stall import stall_in
 from airflow_provider_horovod.runner.task import rank_states
 from airflow_provider_horovod.runner.task.barrier import run_local
 from airflow_provider_horovod.runner.text import one_line, quoted, quoted_text
-from airflow_provider_horovod.runner.versions import VersionSink
-
-if TYPE_CHECKING:
-    from airflow_provider_horovod.runner.driver.runner import HorovodRunner
+from airflow_provider_horovod.runner.transfer import Limits
+from airflow_provider_horovod.runner.driver.versions import VersionSink
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +95,30 @@ def _in_thread(name: str, work: Callable[[], Any], events: queue.Queue) -> threa
     return thread
 
 
-def verbosity(runner: HorovodRunner) -> str:
-    """The run's ``driver_log_verbosity``; with ``np < 0`` always ``"all"``: local processes show every
-    rank's output whatever it says, as sparkdl's HorovodRunner sends local-mode output to the cell."""
-    return "all" if runner.np < 0 else runner.driver_log_verbosity
+@dataclasses.dataclass(frozen=True)
+class AttemptOptions:
+    """What an attempt reads of its run's options (``HorovodRunner``'s, as checked when it was made),
+    one value a run: every attempt of the run gets the same. What changes from one attempt to the
+    next (its number, its size, where it resumes from) is the attempt's own."""
+
+    np: int  # the run's np: a restart may run on fewer (min_np, ``Attempt.np``)
+    launcher: Launcher
+    driver_log_verbosity: str
+    env: dict[str, str]
+    start_timeout: float
+    stall_timeout: int
+    timeline: bool
+    deadlines: Deadlines
+    artifact_limits: Limits
+    restarts: RestartPolicy
+    dataset: Any = None
+    on_report: Callable[[messages.Report], None] | None = None
+
+    @property
+    def verbosity(self) -> str:
+        """The run's ``driver_log_verbosity``; with ``np < 0`` always ``"all"``: local processes show every
+        rank's output whatever it says, as sparkdl's HorovodRunner sends local-mode output to the cell."""
+        return "all" if self.np < 0 else self.driver_log_verbosity
 
 
 def checked_plan(driver_python: str, driver_stack: dict[str, str], facts: list[TaskFacts]) -> Plan:
@@ -113,18 +135,21 @@ def checked_plan(driver_python: str, driver_stack: dict[str, str], facts: list[T
 class Attempt:
     """One barrier stage of a run (see the module's docstring)."""
 
-    def __init__(self, runner: HorovodRunner, run_id: str, payload: bytes, report: RunReport,
-                 staging: Path | None, sink: VersionSink | None, *, number: int = 0,
-                 resume_from: Path | None = None, lost_at: float | None = None,
+    def __init__(self, options: AttemptOptions, session: Callable[[], Any], cancelled: threading.Event,
+                 run_id: str, payload: bytes, report: RunReport, staging: Path | None, sink: VersionSink | None, *,
+                 number: int = 0, resume_from: Path | None = None, lost_at: float | None = None,
                  workers_gone: list[str] | None = None) -> None:
-        self.runner = runner
+        self.options = options
+        self.session = session  # the run's SparkSession, asked for only where the attempt runs a Spark job
+        self.cancelled = cancelled  # the run's: set by a cancel, and by an exception raised into the supervising
+        self.interrupt: BaseException | None = None  # that exception (not Ctrl-C): the run raises it at its end
         self.number = number  # 0, then 1, 2, ... after each restart (runtime.attempt())
         # the first attempt is the run: its id, its job tag; a restart's tasks and folders are its own
         self.run_id = run_id if number == 0 else "%s-%d" % (run_id, number)
         self.payload = payload
         self.report = report
-        self.np = runner.np  # a restart may run on fewer (min_np): every size below is this one
-        self.resume_from = runner.resume_from if number == 0 else resume_from
+        self.np = options.np  # a restart may run on fewer (min_np): every size below is this one
+        self.resume_from = resume_from  # the run's resume_from, or the version a restart resumes from
         self.lost_at = lost_at  # when the attempt before lost its infrastructure (monotonic), for the log
         # executors whose worker Spark decommissioned (capacity.can_grow): the attempts' before, then this one's
         self.workers_gone = list(workers_gone or ())
@@ -134,9 +159,9 @@ class Attempt:
         self.events: queue.Queue = queue.Queue()
         self.secret = wire.new_secret()
         self.channel = Channel(self.secret, run_id=self.run_id, on_event=self.events.put, artifact_staging=staging,
-                               resume_root=self.resume_from, limits=runner.artifact_limits, versions=sink,
-                               on_report=runner.on_report, on_terminating=self._terminating,
-                               output=RankOutput(stream_all=verbosity(runner) == "all"))
+                               resume_root=self.resume_from, limits=options.artifact_limits, versions=sink,
+                               on_report=options.on_report, on_terminating=self._terminating,
+                               output=RankOutput(stream_all=options.verbosity == "all"))
         self.supervisor: Supervisor | None = None
         self.workers_python = "python3"  # what the executors were asked to run, for the error that names it
         self.slots: int | None = None
@@ -155,7 +180,7 @@ class Attempt:
             value = self._outcome(self.supervisor, self.channel)
         except BaseException:
             sup = self.supervisor
-            self.ending = ending_of(cancelled=self.runner._cancelled.is_set(), reason=sup.reason, cause=sup.cause,
+            self.ending = ending_of(cancelled=self.cancelled.is_set(), reason=sup.reason, cause=sup.cause,
                                     job_error=sup.job_ended.error if sup.job_ended is not None else None)
             raise
         self.ending = Ending.SUCCESS
@@ -199,25 +224,25 @@ class Attempt:
             run_id=run_id,
             secret=secret,
             payload=payload,
-            launcher=self.runner.launcher,
-            verbosity=verbosity(self.runner),
+            launcher=self.options.launcher,
+            verbosity=self.options.verbosity,
             channel=channel,
-            env=self.runner.env,
+            env=self.options.env,
             driver_python=platform.python_version(),
-            stall_timeout_s=self.runner.stall_timeout,
-            driver_stack=stack_of_this_host(horovod=self.runner.launcher.runs_horovod),
-            timeline=self.runner.timeline,
+            stall_timeout_s=self.options.stall_timeout,
+            driver_stack=stack_of_this_host(horovod=self.options.launcher.runs_horovod),
+            timeline=self.options.timeline,
             collect_artifacts=self.sink is not None,  # every run keeps rank 0's folder (runner.run)
             has_resume=self.resume_from is not None,
             resume_local=str(self.resume_from) if (self.resume_from is not None and self.np < 0) else None,
             attempt=self.number,
-            preempt_grace_s=self.runner.deadlines.preempt_grace_s,
+            preempt_grace_s=self.options.deadlines.preempt_grace_s,
         )
 
     def _run_local(self, spec: RunSpec, channel: Channel, events: queue.Queue) -> Supervisor:
         spec = dataclasses.replace(spec, channel=channel.start("127.0.0.1"))
         self.report.coordination = "local"
-        sup = Supervisor(0, coordinated=False, planner=make_plan, deadlines=self.runner.deadlines, now=time.monotonic(),
+        sup = Supervisor(0, coordinated=False, planner=make_plan, deadlines=self.options.deadlines, now=time.monotonic(),
                          here=(host_identity(0), LOCAL_EXECUTOR))
         task = names.TaskDir(names.new_temp_dir(names.TASK_DIR_PREFIX % (spec.run_id, "local", os.getpid())))
         channel.expect_artifacts_from(task.path)  # the one folder the driver copies artifacts from
@@ -236,7 +261,7 @@ class Attempt:
         return sup
 
     def _run_spark(self, spec: RunSpec, channel: Channel, events: queue.Queue) -> Supervisor:
-        spark = self.runner.session()
+        spark = self.session()
         self._check_conf(spark)
         if self.number > 0:
             self.np = self._slots_for_restart(spark)
@@ -248,11 +273,9 @@ class Attempt:
                                   "for them. Put the checkpoint where the training function can read it instead.")
         spec = dataclasses.replace(spec, channel=address, dataset=dataset)
         tag = "hvdrunner-%s" % spec.run_id
-        report = self.report
-        report.spark_ui_url, report.job_tag = self._ui_url(spark), tag
-        report.coordination = "channel" if address is not None else "spark"
+        self.report.coordination = "channel" if address is not None else "spark"
         entry = executors.task_entry(pickle.dumps(spec), ERROR_MARKER, "spark_task",
-                                     executors.needed_modules(self.runner.launcher))
+                                     executors.needed_modules(self.options.launcher))
         self.workers_python = executors.workers_python(spark)
         with executors.python_of_workers(spark):
             df = source.mapInArrow(entry, RESULT_SCHEMA, barrier=True)
@@ -266,7 +289,7 @@ class Attempt:
                     spark.removeTag(tag)
 
         planner = functools.partial(checked_plan, spec.driver_python, spec.driver_stack)
-        sup = Supervisor(self.np, coordinated=address is not None, planner=planner, deadlines=self.runner.deadlines,
+        sup = Supervisor(self.np, coordinated=address is not None, planner=planner, deadlines=self.options.deadlines,
                          now=time.monotonic())
         self._job = (spark, tag)
         _in_thread("hvdrunner-job-%s" % spec.run_id, collect, events)
@@ -298,10 +321,10 @@ class Attempt:
 
     def _input(self, spark: Any) -> tuple[Any, DatasetSpec | None]:
         """The barrier stage's input: ``np`` rows, or the dataset in ``np`` balanced partitions."""
-        if self.runner.dataset is None:
+        if self.options.dataset is None:
             return spark.range(self.np, numPartitions=self.np), None
-        source, spec = prepare_dataset(spark, self.runner.dataset, self.np)
-        log.info("Dataset %s: %d rows in %d shards of %d to %d rows", describe_dataset(self.runner.dataset), spec.total_rows,
+        source, spec = prepare_dataset(spark, self.options.dataset, self.np)
+        log.info("Dataset %s: %d rows in %d shards of %d to %d rows", describe_dataset(self.options.dataset), spec.total_rows,
                  spec.shards, spec.shard_rows(spec.shards - 1), spec.shard_rows(0))
         return source, spec
 
@@ -324,20 +347,20 @@ class Attempt:
                 for action in actions:
                     act(action)
             except BaseException as err:  # noqa: BLE001 - every interruption becomes a clean cancel
-                if not isinstance(err, KeyboardInterrupt) and self.runner._interrupt is None:
-                    self.runner._interrupt = err
-                self.runner._cancelled.set()
+                if not isinstance(err, KeyboardInterrupt) and self.interrupt is None:
+                    self.interrupt = err
+                self.cancelled.set()
                 events.put(CancelRequested())
 
     # -- the verdict ------------------------------------------------------------------------------
     def _outcome(self, sup: Supervisor, channel: Channel) -> Any:
         """Rank 0's return value, or the error that says what happened."""
-        if sup.reason == "cancel" or self.runner._cancelled.is_set():
+        if sup.reason == "cancel" or self.cancelled.is_set():
             raise RunCancelledError("The Horovod job was cancelled; every rank was stopped.")
         if sup.reason == "timeout":
             raise InsufficientSlotsError(
                 "Only %d of %d barrier tasks started within start_timeout=%ss. The cluster has %s; "
-                "lower np or add executors." % (len(sup.started), self.np, self.runner.start_timeout, self._slots_text())
+                "lower np or add executors." % (len(sup.started), self.np, self.options.start_timeout, self._slots_text())
             )
         if sup.cause is not None:
             raise self._error(sup.cause, channel, sup.failures)
@@ -365,19 +388,10 @@ class Attempt:
                 "spark.dynamicAllocation.enabled=false for this session (or its connection's extras)."
             )
 
-    def _available_slots(self, spark: Any) -> int | None:
-        """How many barrier tasks the cluster can run at once (classic sessions only)."""
-        with contextlib.suppress(Exception):
-            sc = spark.sparkContext
-            jsc = sc._jsc.sc()
-            profile = jsc.resourceProfileManager().defaultResourceProfile()
-            return int(jsc.maxNumConcurrentTasks(profile))
-        return None
-
     def _wait_for_slots(self, spark: Any) -> None:
         """Until the cluster has ``np`` barrier slots (executors that register late, slots other jobs
         hold), within ``start_timeout``; the log says what it waits for and how long it took."""
-        self.slots = self._available_slots(spark)
+        self.slots = available_slots(spark)
         if self.slots is None or self.slots >= self.np:
             return
         master = _master(spark)
@@ -386,23 +400,23 @@ class Attempt:
                 "np=%d needs %d barrier slots, but the cluster has %d (the master %s), and no executor can join a "
                 "local master: waiting start_timeout=%gs would not help. Lower np to %d or less, or give the master "
                 "more cores (local[%d], in the connection's host or the session's master)." % (
-                    self.np, self.np, self.slots, master, self.runner.start_timeout, self.slots, self.np))
+                    self.np, self.np, self.slots, master, self.options.start_timeout, self.slots, self.np))
         log.info("Waiting up to start_timeout=%gs for %d barrier slots: the cluster has %d now (executors still "
-                 "registering, or slots other jobs hold)", self.runner.start_timeout, self.np, self.slots)
+                 "registering, or slots other jobs hold)", self.options.start_timeout, self.np, self.slots)
         started = time.monotonic()
-        deadline = started + self.runner.start_timeout
+        deadline = started + self.options.start_timeout
         while self.slots < self.np:
-            if self.runner._cancelled.is_set():
+            if self.cancelled.is_set():
                 raise RunCancelledError("The Horovod job was cancelled while it waited for barrier slots.")
             if time.monotonic() > deadline:
                 raise InsufficientSlotsError(
                     "np=%d needs %d barrier slots, but the cluster has %d (executor cores / "
                     "spark.task.cpus, and GPUs per task where set) after waiting start_timeout=%gs. "
                     "Lower np, add executors, or raise start_timeout when other jobs hold the slots."
-                    % (self.np, self.np, self.slots, self.runner.start_timeout)
+                    % (self.np, self.np, self.slots, self.options.start_timeout)
                 )
             time.sleep(0.5)
-            self.slots = self._available_slots(spark) or 0
+            self.slots = available_slots(spark) or 0
         log.info("The cluster has %d barrier slots after waiting %.1f s for them", self.slots, time.monotonic() - started)
 
     def _slots_for_restart(self, spark: Any) -> int:
@@ -410,23 +424,23 @@ class Attempt:
         ``np`` once that many slots are back; what there is once it is at least ``min_np`` and the last
         call is over, or at once where the cluster says the rest cannot come (``capacity.can_grow``);
         else ``InsufficientSlotsError``."""
-        policy, began, minimum_since, told = self.runner.restarts, time.monotonic(), None, False
+        policy, began, minimum_since, told = self.options.restarts, time.monotonic(), None, False
         while True:
-            slots, now = self._available_slots(spark), time.monotonic()
+            slots, now = available_slots(spark), time.monotonic()
             if slots is not None and slots >= (policy.min_np or self.np):
                 minimum_since = minimum_since or now
             else:
                 minimum_since = None
             size = policy.restart_size(self.np, slots, waited_s=now - began, can_grow=can_grow(spark, self.workers_gone),
                                        minimum_for_s=None if minimum_since is None else now - minimum_since,
-                                       start_timeout_s=self.runner.start_timeout)
+                                       start_timeout_s=self.options.start_timeout)
             if size.np is not None or size.fail:
                 break
             if not told and minimum_since is not None:
                 told = True
                 log.info("Attempt %d: %d of np=%d barrier slots are back (min_np=%d); waiting up to last_call=%gs for "
                          "the rest", self.number, slots, self.np, policy.min_np, policy.last_call_s)
-            if self.runner._cancelled.is_set():
+            if self.cancelled.is_set():
                 self.ending = Ending.CANCELLED
                 raise RunCancelledError("The Horovod job was cancelled while its restart waited for barrier slots.")
             time.sleep(0.5)
@@ -478,12 +492,6 @@ class Attempt:
                 return socket.gethostbyname(host)
         return "127.0.0.1"
 
-    @staticmethod
-    def _ui_url(spark: Any) -> str | None:
-        with contextlib.suppress(Exception):
-            return spark.sparkContext.uiWebUrl
-        return None
-
     # -- results and errors ---------------------------------------------------------------------
     def _collect(self, rows: list[Any], channel: Channel) -> Any:
         chunks: dict[str, list[tuple[int, int, bytes]]] = {}
@@ -501,14 +509,14 @@ class Attempt:
         if failure.stall and self.supervisor is not None and self.supervisor.stalls.verdict_at is not None:
             failure = self.supervisor.stalls.failure()  # told again with what the tasks saw of the silent ranks
         self.report.error = failure.to_json()
-        err = run_error(failure, channel.tails(), others, launcher=self.runner.launcher,
-                        stall_timeout=self.runner.stall_timeout)
+        err = run_error(failure, channel.tails(), others, launcher=self.options.launcher,
+                        stall_timeout=self.options.stall_timeout)
         if failure.stall:  # the first line as the user reads it, with the tensors Horovod named
             self.report.error["message"] = str(err).split("\n", 1)[0]
         return err
 
     def _spark_error(self, err: BaseException, channel: Channel) -> HorovodRunError:
-        if self.runner._cancelled.is_set():
+        if self.cancelled.is_set():
             return RunCancelledError("The Horovod job was cancelled; the Spark job was interrupted.")
         text = str(err)
         failure = parse_failure(text)
@@ -517,7 +525,7 @@ class Attempt:
         mismatch = python_mismatch_text(text, platform.python_version())
         if mismatch is not None:
             return ExecutorMismatchError(mismatch)
-        missing = executors.missing_module_text(text, self.workers_python, executors.needed_modules(self.runner.launcher))
+        missing = executors.missing_module_text(text, self.workers_python, executors.needed_modules(self.options.launcher))
         if missing is not None:
             return ExecutorMismatchError(missing)
         return HorovodRunError("The Spark job running the Horovod ranks failed:\n%s" % quoted_text(str(err).strip()[:4000]))

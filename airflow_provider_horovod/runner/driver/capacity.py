@@ -1,4 +1,5 @@
-"""What the cluster says about barrier slots a restart is missing: whether they can come at all.
+"""What the cluster says about barrier slots: how many there are now, and whether those a restart
+is missing can come at all.
 
 A restart that has ``min_np`` slots waits a last call for the rest (``restarts.RestartPolicy``)
 only where more can come. They cannot on a local master (``local[N]``: the tasks run in the
@@ -27,6 +28,15 @@ def master_of(spark: Any) -> str | None:
         return spark.sparkContext.master
     with contextlib.suppress(Exception):
         return spark.conf.get("spark.master", None)
+    return None
+
+
+def available_slots(spark: Any) -> int | None:
+    """How many barrier tasks the cluster can run at once (classic sessions only)."""
+    with contextlib.suppress(Exception):
+        jsc = spark.sparkContext._jsc.sc()
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
+        return int(jsc.maxNumConcurrentTasks(profile))
     return None
 
 

@@ -9,22 +9,11 @@ within ``max_restarts``, from the newest committed version; anything else ends t
 from __future__ import annotations
 
 import dataclasses
-import enum
 import re
 import signal
-from typing import Any
 
-from airflow_provider_horovod.runner.events import Failure
+from airflow_provider_horovod.runner.events import AttemptRecord, Ending, Failure
 from airflow_provider_horovod.runner.options import DEFAULT_LAST_CALL_S
-
-
-class Ending(enum.StrEnum):
-    """How one attempt ended (``RunReport.attempts[i]["ending"]``)."""
-
-    SUCCESS = "success"
-    LOST = "lost"  # lost infrastructure: the only ending that restarts
-    FAILED = "failed"  # the training function, its payload, environment or dataset: never restarts
-    CANCELLED = "cancelled"
 
 
 # Signals a process receives from outside: the kernel's OOM killer, a node drain, a preemption, a
@@ -109,46 +98,6 @@ class RestartPolicy:
         if waited_s >= start_timeout_s:
             return RestartSize(fail=True, why="no more came within start_timeout=%gs" % start_timeout_s)
         return RestartSize()
-
-
-@dataclasses.dataclass
-class AttemptRecord:
-    """One attempt of a run, as the task log, ``last_run.attempts``, the XCom and the view show it."""
-
-    number: int  # 0, 1, ...: ``runtime.attempt()`` inside its ranks
-    np: int
-    started_s: float  # seconds since run() began
-    resumed_from: dict[str, Any] | None = None  # {"seq", "step"} of the driver's version, or {"path"}
-    restart_s: float | None = None  # from the loss that ended the attempt before to this one's ranks starting
-    ending: Ending | None = None
-    cause: str | None = None  # the one line that says why it ended (None: it succeeded)
-    duration_s: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["ending"] = None if self.ending is None else self.ending.value
-        return out
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> AttemptRecord:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        record = cls(**{k: v for k, v in raw.items() if k in fields})
-        record.ending = None if record.ending is None else Ending(record.ending)
-        return record
-
-    def describe(self) -> str:
-        """``attempt 1 (2 ranks, resumed from version 3, step 7): lost: The barrier task ... died``."""
-        what = "%d rank%s" % (abs(self.np), "" if abs(self.np) == 1 else "s")
-        if self.resumed_from:
-            what += ", resumed from %s" % resumed_text(self.resumed_from)
-        return "attempt %d (%s): %s%s" % (self.number, what, self.ending or "running",
-                                          ": %s" % self.cause if self.cause else "")
-
-
-def resumed_text(resumed_from: dict[str, Any]) -> str:
-    if "seq" in resumed_from:
-        return "version %s (step %s)" % (resumed_from["seq"], resumed_from.get("step"))
-    return str(resumed_from.get("path"))
 
 
 def attempts_text(records: list[AttemptRecord], max_restarts: int) -> str:

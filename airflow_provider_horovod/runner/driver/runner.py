@@ -1,9 +1,12 @@
 """``HorovodRunner(np).run(main, **kwargs)``: the seed's API. A run checks its input, drives its
-attempt (one barrier stage, ``attempt.py``) and commits what rank 0 handed over at the end."""
+attempts (one barrier stage each, ``attempt.py``; another after one that lost its infrastructure,
+within ``max_restarts``, ``restarts.py``), keeps each checkpoint version rank 0 commits as it comes
+(``versions.py``) and commits what rank 0 handed over at the end."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -24,49 +27,38 @@ from airflow_provider_horovod.runner.driver.artifact_dir import (
     holds_something,
     new_run_folder,
 )
+from airflow_provider_horovod.runner.hardlinks import link_or_copy
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.dataset import check_dataset
 from airflow_provider_horovod.runner.driver import executors
-from airflow_provider_horovod.runner.driver.attempt import Attempt
+from airflow_provider_horovod.runner.driver.attempt import Attempt, AttemptOptions
 from airflow_provider_horovod.runner.driver.channel import Channel
 from airflow_provider_horovod.runner.driver.supervisor import Deadlines, Upload
 from airflow_provider_horovod.runner.environment import require_framework, require_training_stack
-from airflow_provider_horovod.runner.events import RunReport, RunStatus
+from airflow_provider_horovod.runner.events import AttemptRecord, Ending, RunReport, RunStatus, resumed_text
 from airflow_provider_horovod.runner.messages import Report
-from airflow_provider_horovod.runner.driver.restarts import (
-    AttemptRecord,
-    Ending,
-    RestartPolicy,
-    attempts_text,
-    resumed_text,
-)
+from airflow_provider_horovod.runner.driver.restarts import RestartPolicy, attempts_text
 from airflow_provider_horovod.runner.options import (
+    DEFAULT_KEEP,
     DEFAULT_LAST_CALL_S,
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_START_TIMEOUT_S,
     Launcher,
     check_engine_values,
+    check_keep,
     check_last_call,
     check_options,
     check_restarts,
 )
 from airflow_provider_horovod.runner.payload import build_payload, describe, resolve_callable, used_modules
-from airflow_provider_horovod.runner.stall import whole_seconds
-from airflow_provider_horovod.runner.versions import DEFAULT_KEEP, Version, VersionSink, check_keep
-from airflow_provider_horovod.runner.versions import committed as committed_versions
-from airflow_provider_horovod.runner.versions import newest as newest_version
+from airflow_provider_horovod.runner.horovod_stall import whole_seconds
+from airflow_provider_horovod.runner.driver.versions import VersionSink
+from airflow_provider_horovod.runner.driver.versions import committed as committed_versions
+from airflow_provider_horovod.runner.driver.versions import newest as newest_version
+from airflow_provider_horovod.runner.records import Version
 from airflow_provider_horovod.runner.text import one_line
 
 log = logging.getLogger(__name__)
-
-
-
-def _link_or_copy(source: str, target: str) -> None:
-    """A restart's view of a committed version: hard links (versions are never written again), else a copy."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
 
 
 class HorovodRunner:
@@ -89,7 +81,7 @@ class HorovodRunner:
         stack moving, or ``runtime.report()``) before it fails with ``StallError``, naming the stalled
         ranks, where they are (user frame, or what the OS says of a rank that does not answer) and
         every rank's stacks; under every launcher (600 by default; whole seconds, rounded up). Under
-        mpirun and Gloo it also sets Horovod's stall check, which names the tensor (``stall.stall_env``).
+        mpirun and Gloo it also sets Horovod's stall check, which names the tensor (``horovod_stall.stall_env``).
     :param timeline: record a Horovod timeline on rank 0 and bring it back into the run's folder.
     :param artifact_dir: a local folder to commit rank 0's checkpoints and timeline into. Without it,
         the run keeps them in a run folder of its own, ``<HVDRUNNER_RUNS_DIR>/<UTC time>-<run id>``
@@ -203,6 +195,7 @@ class HorovodRunner:
         self._cancelled.clear()
         self._interrupt = None
         self._last = None
+        options = self.attempt_options()
         started = time.monotonic()
         report = self.last_run = RunReport(run_id=run_id, np=self.np, launcher=self.launcher,
                                            artifact_dir=str(artifact_dir))
@@ -215,7 +208,7 @@ class HorovodRunner:
         try:
             with self._signals():
                 try:
-                    result = self._attempts(run_id, payload, report, staging, sink, started)
+                    result = self._attempts(options, run_id, payload, report, staging, sink, started)
                     report.status = RunStatus.SUCCESS
                 except RunCancelledError:
                     report.status = RunStatus.CANCELLED
@@ -248,32 +241,39 @@ class HorovodRunner:
         shutil.rmtree(folder, ignore_errors=True)
         report.artifact_dir = None
 
-    def _attempts(self, run_id: str, payload: bytes, report: RunReport, staging: Path | None,
-                  sink: VersionSink | None, started: float) -> Any:
+    def attempt_options(self) -> AttemptOptions:
+        """What every attempt of a run reads of this runner's options, as one value (made once a run)."""
+        return AttemptOptions(np=self.np, launcher=self.launcher, driver_log_verbosity=self.driver_log_verbosity,
+                              env=dict(self.env), start_timeout=self.start_timeout, stall_timeout=self.stall_timeout,
+                              timeline=self.timeline, deadlines=self.deadlines, artifact_limits=self.artifact_limits,
+                              restarts=self.restarts, dataset=self.dataset, on_report=self.on_report)
+
+    def _attempts(self, options: AttemptOptions, run_id: str, payload: bytes, report: RunReport,
+                  staging: Path | None, sink: VersionSink | None, started: float) -> Any:
         """Attempt after attempt until one returns rank 0's value or ends in a way no restart fixes
         (``restarts.RestartPolicy``); every attempt is in ``report.attempts`` and the task log."""
-        resume: Path | None = None
+        resume: Path | None = self.resume_from  # the first attempt's; a restart's is the newest version
         resumed: dict[str, Any] | None = None
         lost_at: float | None = None
         workers_gone: list[str] = []  # executors whose worker Spark decommissioned in an attempt before (capacity.can_grow)
         for number in itertools.count():
-            attempt = self._attempt = self._last = Attempt(self, run_id, payload, report, staging, sink, number=number,
-                                                           resume_from=resume, lost_at=lost_at,
-                                                           workers_gone=workers_gone)
+            attempt = self._attempt = self._last = Attempt(options, self.session, self._cancelled, run_id, payload,
+                                                           report, staging, sink, number=number, resume_from=resume,
+                                                           lost_at=lost_at, workers_gone=workers_gone)
             if number == 0 and attempt.resume_from is not None:
                 resumed = {"path": str(attempt.resume_from)}
             record = AttemptRecord(number=number, np=attempt.np, started_s=round(time.monotonic() - started, 3),
                                    resumed_from=resumed)
-            report.attempts.append(record.to_json())
+            report.attempts.append(record)
             if self._cancelled.is_set():
                 attempt.cancel()
             try:
                 return attempt.run()
             except BaseException as err:
-                record.cause = one_line(str(err).split("\n", 1)[0]) or type(err).__name__
+                cause = one_line(str(err).split("\n", 1)[0]) or type(err).__name__
                 if attempt.ending is None and not isinstance(err, Exception):  # execution_timeout, Ctrl-C: raised
                     attempt.ending = Ending.CANCELLED  # into the restart, outside the supervisor's loop
-                record.ending = attempt.ending or Ending.FAILED
+                record = dataclasses.replace(record, cause=cause, ending=attempt.ending or Ending.FAILED)
                 if not (attempt.ending and self.restarts.restarts(attempt.ending, number)):
                     self._name_attempts(err, report, record)
                     _name_unverified(err, attempt.channel.unverified)
@@ -292,6 +292,8 @@ class HorovodRunner:
             finally:
                 attempt.close()
                 self._attempt = None
+                if self._interrupt is None:
+                    self._interrupt = attempt.interrupt
                 self._record(report, record, attempt, started)
         raise AssertionError("unreachable")
 
@@ -299,19 +301,18 @@ class HorovodRunner:
         """The run's error, after restarts: it also names every attempt and why it ended."""
         if len(report.attempts) < 2 or not isinstance(err, HorovodRunError) or not err.args:
             return
-        records = [AttemptRecord.from_json(r) for r in report.attempts[:-1]]
-        err.args = ("%s\n\n%s" % (err.args[0], attempts_text([*records, record], self.restarts.max_restarts)),
+        err.args = ("%s\n\n%s" % (err.args[0], attempts_text([*report.attempts[:-1], record], self.restarts.max_restarts)),
                     *err.args[1:])
 
     @staticmethod
     def _record(report: RunReport, record: AttemptRecord, attempt: Attempt, started: float) -> None:
         """The attempt's end in the report and the task log: its record, its channel's events, its phases."""
-        record.ending = attempt.ending or record.ending or Ending.FAILED
-        record.np = attempt.np
-        record.duration_s = round(time.monotonic() - started - record.started_s, 3)
+        restart_s = record.restart_s
         if attempt.lost_at is not None and attempt.ranks_started_at is not None:
-            record.restart_s = round(attempt.ranks_started_at - attempt.lost_at, 3)
-        report.attempts[-1] = record.to_json()
+            restart_s = round(attempt.ranks_started_at - attempt.lost_at, 3)
+        record = report.attempts[-1] = dataclasses.replace(
+            record, ending=attempt.ending or record.ending or Ending.FAILED, np=attempt.np, restart_s=restart_s,
+            duration_s=round(time.monotonic() - started - record.started_s, 3))
         report.events += attempt.channel.recorded()
         report.rejected_connections += attempt.channel.rejected
         report.phases = attempt.marks
@@ -341,7 +342,7 @@ class HorovodRunner:
                 found = newest_version(sink.artifact_dir)
                 if found is not None:
                     copy = self._resume_copies(sink.artifact_dir) / str(number)
-                    shutil.copytree(found[1], copy, copy_function=_link_or_copy)
+                    shutil.copytree(found[1], copy, copy_function=link_or_copy)  # versions are never written again
         if found is None:
             return self.resume_from, {"path": str(self.resume_from)} if self.resume_from is not None else None
         return copy, {"seq": found[0].seq, "step": found[0].step}

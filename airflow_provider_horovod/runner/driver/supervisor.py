@@ -44,7 +44,7 @@ from airflow_provider_horovod.runner.events import (
 from airflow_provider_horovod.runner.options import DEFAULT_START_TIMEOUT_S
 from airflow_provider_horovod.runner.driver.stalls import StallWatch, silence_for
 from airflow_provider_horovod.runner.plan import Plan, TaskFacts
-from airflow_provider_horovod.runner.stall import beat_interval
+from airflow_provider_horovod.runner.horovod_stall import beat_interval
 
 
 class Phase(enum.StrEnum):

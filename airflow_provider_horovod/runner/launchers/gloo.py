@@ -22,7 +22,7 @@ from airflow_provider_horovod.runner.launchers.processes import run_rank_process
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.network import LOOPBACK
 from airflow_provider_horovod.runner.plan import SLOT_INFO_FIELDS, Plan, Slot
-from airflow_provider_horovod.runner.stall import stall_env
+from airflow_provider_horovod.runner.horovod_stall import stall_env
 
 
 class _Handler(RendezvousHandler):

@@ -31,13 +31,13 @@ from pathlib import Path
 
 from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.events import Failure
-from airflow_provider_horovod.runner.exits import exit_text, read_error_file, tail, where
+from airflow_provider_horovod.runner.exits import exit_text, read_error_file, tail, who
 from airflow_provider_horovod.runner.launchers import Services
 from airflow_provider_horovod.runner.launchers.processes import WORKER, hand_over_key, run_reaped
 from airflow_provider_horovod.runner.messages import LaunchOrted, OrtedExited, OrtedStarted
 from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, TaskDir, new_temp_dir
 from airflow_provider_horovod.runner.plan import Plan
-from airflow_provider_horovod.runner.stall import stall_env
+from airflow_provider_horovod.runner.horovod_stall import stall_env
 
 OPEN_MPI_PROGRAMS = MPIRUN, ORTED = ("mpirun", "orted")  # what mpirun needs on every host's PATH
 
@@ -478,7 +478,7 @@ def mpirun_failure(plan: Plan, code: int, task: TaskDir, *, stopping: bool) -> F
     if slot is not None:
         how = exit_text(exited[1])
         own_log = TaskDir(slot.task_dir).rank_log(slot.rank)
-        return Failure(message="%s %s" % (where(slot), how), rank=slot.rank, host=slot.hostname,
+        return Failure(message="%s %s" % (who(slot), how), rank=slot.rank, host=slot.hostname,
                        executor=slot.executor, exit=how, tail=tuple(tail(own_log)),
                        launcher_output=launcher_output, consequence=stopping)
     return Failure(message="mpirun %s before any rank reported why" % exit_text(shell_status(code)),

@@ -1,41 +1,27 @@
 """The preemption notice on the rank side: a flag file in the barrier task's folder.
 
 The driver tells every barrier task when Spark decommissions an executor of the attempt
-(``driver/preemption.py``); each task writes ``preempting`` into its folder (``announce``), which
-every rank of that task sees at once: ``runtime.preempting()`` is a ``stat``, cheap enough for every
+(``driver/preemption.py``); each task writes ``preempting`` into its folder
+(``task/termination.announce``), which every rank of that task sees at once: ``runtime.preempting()`` is a ``stat``, cheap enough for every
 step, and ``runtime.on_preemption(callback)`` runs ``callback`` once, from a thread of the rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import threading
 from collections.abc import Callable
-from pathlib import Path
-
 from airflow_provider_horovod.runner import names
 
-FLAG = "preempting"
 POLL_S = 0.1
-
-
-def flag(task_dir: str | Path) -> Path:
-    return Path(task_dir) / FLAG
-
-
-def announce(task_dir: str | Path) -> None:
-    """The task's side: every rank of this task is told (a second notice changes nothing)."""
-    with contextlib.suppress(OSError):
-        flag(task_dir).touch()
 
 
 def preempting() -> bool:
     """Whether this rank's task was told that the attempt is about to lose an executor; ``False``
     outside a rank."""
     base = os.environ.get(names.ENV_TASK_DIR)
-    return base is not None and flag(base).exists()
+    return base is not None and names.TaskDir(base).preempting.exists()
 
 
 def check_callback(callback: object) -> None:

@@ -25,7 +25,7 @@ import traceback
 from types import FrameType
 
 from airflow_provider_horovod.runner.messages import Beat
-from airflow_provider_horovod.runner.stall import beat_interval
+from airflow_provider_horovod.runner.horovod_stall import beat_interval
 
 MAX_STACKS_CHARS = 32 * 1024  # one rank's stacks in a beat (a deep recursion is cut, its ends kept)
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
@@ -56,7 +56,7 @@ def fingerprint(frame: FrameType | None) -> tuple:
     return tuple((id(f.f_code), f.f_lineno) for f in _frames(frame))
 
 
-def where(frame: FrameType | None) -> str:
+def place_of(frame: FrameType | None) -> str:
     """One line: ``waits in allreduce (called at train, jobs.py:40)`` or ``in user code at sleepy (jobs.py:52)``."""
     frames = _frames(frame)
     users = [i for i, f in enumerate(frames) if is_user_file(f.f_code.co_filename)]
@@ -174,7 +174,7 @@ class Watch:
         stacks = None
         if idle >= self.stall_timeout_s / 2 and not self._sent_stacks:
             stacks, self._sent_stacks = stacks_text(), True  # the same stack until it moves: sent once
-        return Beat(pid=os.getpid(), host=self._host, idle_s=round(idle, 3), where=where(frame), stacks=stacks)
+        return Beat(pid=os.getpid(), host=self._host, idle_s=round(idle, 3), where=place_of(frame), stacks=stacks)
 
     def _loop(self) -> None:
         while not self._done.wait(self.beat_s):

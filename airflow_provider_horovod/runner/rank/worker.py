@@ -180,7 +180,7 @@ def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
     """Write and send this rank's failure: its exception, traceback and last lines."""
     from airflow_provider_horovod.exceptions import provider_class_name
     from airflow_provider_horovod.runner.events import Failure
-    from airflow_provider_horovod.runner.exits import where
+    from airflow_provider_horovod.runner.exits import who
 
     text = traceback.format_exc()
     sys.stderr.write(text)
@@ -188,7 +188,7 @@ def _report(rank: int, slot, task, client, pump, err: BaseException) -> None:
     _close_reports()
     if pump is not None:
         pump.close()
-    failure = Failure(message="%s failed: %s" % (where(slot) if slot else "Rank %d" % rank, exception), rank=rank,
+    failure = Failure(message="%s failed: %s" % (who(slot) if slot else "Rank %d" % rank, exception), rank=rank,
                       host=getattr(slot, "hostname", None), executor=getattr(slot, "executor", None),
                       exception=exception, traceback=text, tail=tuple(pump.tail) if pump is not None else (),
                       error_class=provider_class_name(err))

@@ -34,14 +34,13 @@ from airflow_provider_horovod.runner.launchers import Services, launcher_of
 from airflow_provider_horovod.runner.launchers.processes import hand_over_key
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.network import LOOPBACK, Endpoint, endpoint_of, task_endpoint
-from airflow_provider_horovod.runner.rank import preemption
 from airflow_provider_horovod.runner.plan import LOCAL_EXECUTOR, Plan, Slot, TaskFacts, make_plan
 from airflow_provider_horovod.runner.rank.keras_guard import LEGACY_KERAS_ENV
 from airflow_provider_horovod.runner.readiness import check_facts, shm_of_this_host
 from airflow_provider_horovod.runner.spec import RunSpec
 from airflow_provider_horovod.runner.task import rank_states
 from airflow_provider_horovod.runner.task.shipper import ship_checkpoints
-from airflow_provider_horovod.runner.task.termination import SigtermNotice
+from airflow_provider_horovod.runner.task.termination import SigtermNotice, announce
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +256,7 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
         procs.kill_all()
 
     client = ChannelClient(spec.channel, wire.Credentials.of(spec.secret, wire.ROLE_TASK), on_lost=lambda: abort_task(task),
-                           on_stop=stop, on_preempting=lambda: preemption.announce(task.path))
+                           on_stop=stop, on_preempting=lambda: announce(task.path))
     if spec.channel is not None and not client.connected:
         shutil.rmtree(task.path, ignore_errors=True)
         procs.stop_janitor(janitor)

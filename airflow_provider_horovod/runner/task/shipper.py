@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_provider_horovod.runner import names, wire
+from airflow_provider_horovod.runner.hardlinks import link_tree
 from airflow_provider_horovod.runner.transfer import in_progress, put_version
 from airflow_provider_horovod.runner.messages import PutVersion
 from airflow_provider_horovod.runner.records import CommitRequest
@@ -64,17 +65,6 @@ def file_stats(folder: Path) -> dict[str, Stat]:
                 if os.path.isfile(path) and not os.path.islink(path):
                     found[os.path.relpath(path, folder).replace(os.sep, "/")] = (st.st_size, st.st_mtime_ns, st.st_ino)
     return found
-
-
-def link_tree(source: Path, dest: Path, rels: list[str]) -> None:
-    """``dest/rel`` as a hard link of ``source/rel`` (a copy where the file system refuses links)."""
-    for rel in rels:
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(source / rel, target)
-        except OSError:
-            shutil.copy2(source / rel, target)
 
 
 # -- runtime.commit_checkpoint ------------------------------------------------------------------

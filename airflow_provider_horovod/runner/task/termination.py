@@ -4,7 +4,8 @@ SIGTERM reaches a task's process when its container or job is taken back: YARN p
 container (SIGTERM to its processes, SIGKILL 250 ms later by default), a batch scheduler ending a
 job or draining a node (Slurm's ``KillWait``: 30 s), an operator's ``kill``. The task then, at once:
 
-- tells its own ranks (``preemption.announce``: ``runtime.preempting()`` turns true there);
+- tells its own ranks (``announce``: ``runtime.preempting()`` turns true there), as it does when the
+  driver tells it of a decommission (``barrier.py``);
 - tells the driver (a ``terminating`` event), which tells every other task of the attempt, as it
   does for a decommissioned executor, and waits ``preempt_grace_s`` for rank 0's version before the
   restart resumes from the newest one;
@@ -18,17 +19,24 @@ reaches the task only, which ends them when it goes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 from pathlib import Path
 
-from airflow_provider_horovod.runner import messages, procs
+from airflow_provider_horovod.runner import messages, names, procs
 from airflow_provider_horovod.runner.events import Failure
-from airflow_provider_horovod.runner.rank import preemption
 
 CLEANUP_S = 3.0  # after the grace and its ranks' end, how long the task has to remove its folder
+
+
+def announce(task_dir: str | Path) -> None:
+    """Every rank of this task is told that the attempt is about to lose an executor: the flag
+    ``runtime.preempting()`` reads (``rank/preemption.py``); a second notice changes nothing."""
+    with contextlib.suppress(OSError):
+        names.TaskDir(task_dir).preempting.touch()
 
 
 class SigtermNotice:
@@ -55,7 +63,7 @@ class SigtermNotice:
             if getattr(client, "stopped", None) is not None and client.stopped.is_set():
                 _die()  # the driver is ending the attempt (Spark without its daemon kills workers by SIGTERM)
             self.told.set()
-            preemption.announce(task_dir)
+            announce(task_dir)
             client.send(messages.Event("terminating", partition=partition, executor=executor))
             self._timer.start()
 

@@ -219,7 +219,7 @@ class Scenarios:
         Spark worker started again) and the retry resumes from what the store's resume search finds
         in the failed try."""
         from airflow_provider_horovod import store
-        from airflow_provider_horovod.runner import versions
+        from airflow_provider_horovod.runner.driver import versions
         from tests.integration import jobs
 
         task = self.work / ("rank0-lost-%s" % launcher)  # the task folder: try-1 fails, try-2 resumes
@@ -312,7 +312,7 @@ class Scenarios:
         threading.Thread(target=kill, daemon=True).start()
         out = self.run(runner, jobs.restartable_job, steps=20)
         out["killed"] = killed
-        out["attempts"] = runner.last_run.attempts
+        out["attempts"] = runner.last_run.attempts_json()
         out["plans"] = [e["slots"] for e in runner.last_run.events if e.get("kind") == "plan"]
         survivors = [h for h in self.bed.workers if h.address != killed.get("host")]
         out["survivor_leftovers"] = {h.name: self.bed.processes(h, *RUNNER_PROCESSES) for h in survivors}
@@ -322,7 +322,7 @@ class Scenarios:
 def offered_versions(folder: Path) -> list[dict[str, Any]]:
     """The committed versions of a try folder as a reader finds them: each marker, whether every file
     it lists is there at its size, and, for a version with a step, whether its files hold that step."""
-    from airflow_provider_horovod.runner import versions
+    from airflow_provider_horovod.runner.driver import versions
 
     found = []
     for version, path in versions.committed(folder):

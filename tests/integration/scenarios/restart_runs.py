@@ -94,7 +94,7 @@ def run_restarts(spark, out: Path, launchers: list[str]) -> dict:
         finally:
             done.set()
         last_started = runner._last.ranks_started_at  # the last attempt's ranks (monotonic, this process)
-        results[name] = {"result": result, "kills": kills, "attempts": runner.last_run.attempts,
+        results[name] = {"result": result, "kills": kills, "attempts": runner.last_run.attempts_json(),
                          "notices": [e for e in runner.last_run.events if e.get("kind") == "preempting"],
                          "seconds": time.monotonic() - began, "artifact_dir": runner.last_run.artifact_dir,
                          "checkpoints": runner.last_run.checkpoints,

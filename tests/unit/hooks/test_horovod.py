@@ -57,7 +57,7 @@ def test_spark_connect_connection_gives_a_remote_url_with_its_token(monkeypatch)
     target = HorovodRunnerHook("spark_connect_x").resolve_target()
     assert target.master is None
     assert target.remote == "sc://connect.example:15002/;token=tok-123456"
-    assert target.where == "sc://connect.example:15002"  # what the log shows: no token
+    assert target.location == "sc://connect.example:15002"  # what the log shows: no token
 
 
 def test_missing_spark_default_falls_back_to_embedded_local_spark(monkeypatch, caplog):

@@ -18,7 +18,7 @@ from airflow_provider_horovod.operators.horovod import HorovodRunnerOperator
 from airflow_provider_horovod.recorder import TryRecorder
 from airflow_provider_horovod.runner.driver.artifact_dir import commit
 from airflow_provider_horovod.runner.events import RunReport, RunStatus
-from airflow_provider_horovod.runner.versions import Version
+from airflow_provider_horovod.runner.records import Version
 
 
 def train():

@@ -141,7 +141,7 @@ def test_the_view_reads_what_the_store_wrote_on_local_disk_and_on_s3(artifact_ro
     marker), once on ``file://`` and once on ``s3://``: it shows only what markers name."""
     from airflow_provider_horovod import store
     from airflow_provider_horovod.plugins.view import _progress
-    from airflow_provider_horovod.runner.versions import Version
+    from airflow_provider_horovod.runner.records import Version
 
     monkeypatch.setenv("AIRFLOW__HOROVOD__ARTIFACT_ROOT", artifact_root)
     try1 = store.prepare_try(artifact_root, dag_id="dag", run_id="run", task_id="train", try_number=1)

@@ -28,7 +28,7 @@ def test_local_and_cross_ranks_match_horovod_for_uneven_hosts():
 
 def gloo_slot_env(slot):
     from airflow_provider_horovod.runner.launchers import gloo
-    from tests.unit.runner.test_host import spec
+    from tests.unit.runner.task.test_host import spec
 
     return gloo.slot_env(spec("gloo"), slot, ("10.0.0.1", 4242))
 
@@ -53,7 +53,7 @@ def test_rank_env_under_mpirun_leaves_the_ranks_to_mpi_as_horovodrun_does():
 
 def test_gloo_env_points_at_the_rendezvous_server_with_the_runs_token():
     from airflow_provider_horovod.runner import wire
-    from tests.unit.runner.test_host import spec
+    from tests.unit.runner.task.test_host import spec
 
     env = gloo_slot_env(make_plan([facts(0, "a:1")]).slots[0])
     token = wire.rendezvous_token(spec("gloo").secret)

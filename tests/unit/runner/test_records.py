@@ -21,7 +21,7 @@ from airflow_provider_horovod.runner.records import (
     TryStatus,
     Version,
 )
-from airflow_provider_horovod.runner.versions import VersionSink
+from airflow_provider_horovod.runner.driver.versions import VersionSink
 
 # A try marker exactly as main's store wrote it before schemas: the engine's _RUN.json with the
 # operator's keys merged over it, and the stored files.

@@ -3,6 +3,8 @@ returns or raises, without Spark. The runs themselves are in tests/integration/t
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from types import SimpleNamespace
 
 import cloudpickle
@@ -11,7 +13,7 @@ import pytest
 from airflow_provider_horovod import HorovodRunError, HorovodRunner, InsufficientSlotsError, RunCancelledError
 from airflow_provider_horovod.runner import wire
 from airflow_provider_horovod.runner.driver.attempt import Attempt
-from airflow_provider_horovod.runner.events import Failure, JobEnded, RunReport
+from airflow_provider_horovod.runner.events import CancelRequested, Failure, JobEnded, RunReport
 from airflow_provider_horovod.runner.exits import TaskFailure
 from airflow_provider_horovod.runner.task.barrier import result_rows
 from tests.security.attacker import settle
@@ -19,7 +21,8 @@ from tests.security.attacker import settle
 
 def attempt(np: int = 2, **options) -> Attempt:
     runner = HorovodRunner(np, start_timeout=3, **options)
-    return Attempt(runner, "r1", b"payload", RunReport(run_id="r1", np=np, launcher=runner.launcher), None, None)
+    return Attempt(runner.attempt_options(), runner.session, threading.Event(), "r1", b"payload",
+                   RunReport(run_id="r1", np=np, launcher=runner.launcher), None, None)
 
 
 def ended(reason: str | None = None, cause: Failure | None = None, job: JobEnded | None = None, started=()):
@@ -34,7 +37,8 @@ def test_each_attempt_has_its_own_secret_and_channel():
 
 def test_a_late_task_of_a_lost_attempt_is_refused_by_the_next_attempts_channel():
     lost, restart = attempt(), attempt()
-    restart = Attempt(restart.runner, "r1", b"payload", restart.report, None, None, number=1)
+    restart = Attempt(restart.options, restart.session, restart.cancelled, "r1", b"payload", restart.report, None, None,
+                      number=1)
     address = restart.channel.start("127.0.0.1")
     try:
         with pytest.raises(ConnectionError):
@@ -47,7 +51,7 @@ def test_a_late_task_of_a_lost_attempt_is_refused_by_the_next_attempts_channel()
 
 def test_a_cancel_is_a_cancel_whatever_else_ended():
     one = attempt()
-    one.runner._cancelled.set()
+    one.cancelled.set()
     with pytest.raises(RunCancelledError):
         one._outcome(ended(cause=Failure("boom", rank=1)), one.channel)
 
@@ -94,3 +98,43 @@ def test_rows_without_rank_zeros_value_are_an_error():
     one = attempt()
     with pytest.raises(HorovodRunError, match="return value did not come back"):
         one._outcome(ended(job=JobEnded(value=[])), one.channel)
+
+
+class _Supervisor:
+    """Ends at the first cancel; its first tick asks for one action."""
+
+    def __init__(self):
+        self.done, self.ticks = False, 0
+
+    def next_wakeup(self, now):
+        return 0.01
+
+    def handle(self, event, now):
+        self.done = self.done or isinstance(event, CancelRequested)
+        return []
+
+    def tick(self, now):
+        self.ticks += 1
+        return ["act"] if self.ticks == 1 else []
+
+
+@pytest.mark.parametrize("raised", [TimeoutError("execution_timeout"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+def test_an_exception_raised_into_the_supervising_cancels_the_run_and_an_error_is_kept_for_its_end(raised):
+    one = attempt()
+
+    def act(_action):
+        raise raised
+
+    one._supervise(_Supervisor(), one.events, act)
+    assert one.cancelled.is_set()  # the run's event: its other attempts and its restart loop see it
+    assert one.interrupt is (None if isinstance(raised, KeyboardInterrupt) else raised)
+
+
+def test_the_options_an_attempt_reads_are_one_frozen_value_of_the_run():
+    runner = HorovodRunner(-2, start_timeout=3, driver_log_verbosity="log_callback_only", env={"A": "1"})
+    options = runner.attempt_options()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.np = 4
+    assert (options.np, options.start_timeout, options.env) == (-2, 3.0, {"A": "1"})
+    assert options.verbosity == "all"  # np < 0 shows every rank's output, whatever driver_log_verbosity says
+    assert dataclasses.replace(options, np=2).verbosity == "log_callback_only"

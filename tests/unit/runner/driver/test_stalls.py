@@ -10,7 +10,7 @@ from airflow_provider_horovod.runner.driver.supervisor import Deadlines, Stop
 from airflow_provider_horovod.runner.driver.restarts import Ending, ending_of
 from airflow_provider_horovod.runner.events import RankBeat, RanksInspected
 from airflow_provider_horovod.runner.rank import stacks
-from tests.unit.runner.test_supervisor import launched
+from tests.unit.runner.driver.test_supervisor import launched
 
 STALL_S = 600.0  # the supervisor of test_supervisor.launched() has the default stall timeout
 
@@ -100,7 +100,7 @@ def test_a_rank_sees_a_sleeping_thread_in_the_users_code_and_its_stack_stays_the
     try:
         time.sleep(0.05)
         frame = __import__("sys")._current_frames()[thread.ident]
-        assert stacks.where(frame).startswith("in user code at sleepy_user_function (test_stalls.py:")
+        assert stacks.place_of(frame).startswith("in user code at sleepy_user_function (test_stalls.py:")
         first = stacks.fingerprint(frame)
         time.sleep(0.05)
         assert stacks.fingerprint(__import__("sys")._current_frames()[thread.ident]) == first

@@ -1,17 +1,16 @@
-"""The preemption notice: the task's flag file, ``runtime.preempting()`` and the callback on the rank side;
-the restart's bounded wait for rank 0's version on the driver side."""
+"""The preemption notice: the task's flag file, ``runtime.preempting()`` and the callback on the rank side
+(the restart's bounded wait for rank 0's version on the driver side: ``driver/test_preemption.py``)."""
 
 from __future__ import annotations
 
 import threading
-import time
-from types import SimpleNamespace
 
 import pytest
 
-from airflow_provider_horovod import HorovodRunner, runtime
+from airflow_provider_horovod import runtime
 from airflow_provider_horovod.runner import names
 from airflow_provider_horovod.runner.rank import preemption
+from airflow_provider_horovod.runner.task.termination import announce
 
 
 def test_outside_a_rank_nothing_is_preempting(monkeypatch):
@@ -25,8 +24,8 @@ def test_a_notice_to_the_task_reaches_every_rank_of_it_and_the_callback_runs_onc
     called = threading.Event()
     runtime.on_preemption(lambda: (calls.append(threading.current_thread().name), called.set()))
     assert runtime.preempting() is False and not called.wait(0.3)
-    preemption.announce(tmp_path)
-    preemption.announce(tmp_path)  # a second notice changes nothing
+    announce(tmp_path)
+    announce(tmp_path)  # a second notice changes nothing
     assert called.wait(5) and runtime.preempting() is True
     assert calls == ["hvdrunner-preemption"]
 
@@ -53,31 +52,5 @@ def test_a_watch_stopped_before_any_notice_never_calls(monkeypatch, tmp_path):
     thread = preemption.on_preemption(lambda: calls.append(1), stop)
     stop.set()
     thread.join(5)
-    preemption.announce(tmp_path)
+    announce(tmp_path)
     assert not thread.is_alive() and calls == []
-
-
-def _noticed(seconds_ago: float, versions: int):
-    """An attempt that got a decommission notice ``seconds_ago``, when the run had ``versions`` versions."""
-    return SimpleNamespace(preempted_at=time.monotonic() - seconds_ago, versions_at_notice=versions)
-
-
-def test_a_restart_after_a_notice_waits_for_rank_0s_version_then_goes_at_once():
-    runner = HorovodRunner(2)
-    sink = SimpleNamespace(committed=["v1"])
-    threading.Timer(0.3, lambda: sink.committed.append("v2")).start()  # the notice's version lands
-    began = time.monotonic()
-    runner._await_preempted_version(_noticed(0.0, 1), sink)
-    assert 0.25 < time.monotonic() - began < 2 and sink.committed == ["v1", "v2"]
-
-
-def test_the_wait_for_a_version_is_bounded_by_preempt_grace_from_the_notice_and_by_a_cancel():
-    runner = HorovodRunner(2)
-    grace = runner.deadlines.preempt_grace_s
-    began = time.monotonic()
-    runner._await_preempted_version(_noticed(grace - 0.3, 1), SimpleNamespace(committed=["v1"]))
-    assert 0.2 < time.monotonic() - began < 2  # what was left of the grace, no more
-    runner.cancel()
-    began = time.monotonic()
-    runner._await_preempted_version(_noticed(0.0, 1), SimpleNamespace(committed=["v1"]))
-    assert time.monotonic() - began < 0.5

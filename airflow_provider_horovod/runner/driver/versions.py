@@ -21,23 +21,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from airflow_provider_horovod.runner.hardlinks import link_or_copy
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.messages import PutVersion, Report, safe_relative
+from airflow_provider_horovod.runner.options import check_keep
 from airflow_provider_horovod.runner.records import VERSION_MARKER, VERSIONS, Layout, Version, version_name
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEEP = 2
 MARKER_TMP = ".%s.tmp" % VERSION_MARKER  # the marker is written here first, then renamed
 # No file or folder of a checkpoint may take either name: a file would be the marker, a folder would
 # make every version's commit fail (``Is a directory``), finding T4-7 of issue 49.
 RESERVED_NAMES = frozenset({VERSION_MARKER, MARKER_TMP})
-
-
-def check_keep(keep: Any) -> int:
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError("keep_checkpoints must be an int >= 1 (the newest versions kept per try); got %r" % (keep,))
-    return keep
 
 
 def committed(artifact_dir: Path) -> list[tuple[Version, Path]]:
@@ -66,7 +61,10 @@ def commit_version(artifact_dir: Path, received: Path, manifest: dict[str, int],
             source = received / rel if rel in sent else (before[1] / rel if before else None)
             if source is None or not source.is_file() or source.stat().st_size != size:
                 raise ValueError("checkpoint file %s of version %d is missing or not %d bytes" % (rel, seq, size))
-            _link_or_copy(source, target, move=rel in sent)
+            if rel in sent:
+                os.replace(source, target)
+            else:  # committed versions never change: sharing the file is safe
+                link_or_copy(source, target, copy=shutil.copyfile)
         version = Version(seq=seq, step=step, time=time.time(), size=sum(manifest.values()),
                           files=tuple(sorted(manifest.items())), sent=tuple(sorted(sent)), metrics=metrics)
         marker = building / MARKER_TMP  # a file of its own: never one a link shares
@@ -77,16 +75,6 @@ def commit_version(artifact_dir: Path, received: Path, manifest: dict[str, int],
         shutil.rmtree(building, ignore_errors=True)
         raise
     return version, Layout(artifact_dir).version(seq)
-
-
-def _link_or_copy(source: Path, target: Path, *, move: bool) -> None:
-    if move:
-        os.replace(source, target)
-        return
-    try:
-        os.link(source, target)  # committed versions never change: sharing the file is safe
-    except OSError:
-        shutil.copyfile(source, target)
 
 
 def prune(artifact_dir: Path, keep: int) -> None:

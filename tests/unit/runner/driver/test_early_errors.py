@@ -19,7 +19,7 @@ from airflow_provider_horovod.runner.driver.attempt import fixed_slots
 from airflow_provider_horovod.runner.environment import horovod_build, require_framework
 from airflow_provider_horovod.runner.payload import build_payload
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def dag_folder(tmp_path: Path, monkeypatch, files: dict[str, str], name: str):

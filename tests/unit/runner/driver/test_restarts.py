@@ -22,7 +22,7 @@ from airflow_provider_horovod.runner.driver.supervisor import Supervisor
 from airflow_provider_horovod.runner.events import Failure, JobEnded, RankFailed, TaskLost
 from airflow_provider_horovod.runner.options import check_restarts
 from airflow_provider_horovod.runner.plan import make_plan
-from tests.unit.runner.test_supervisor import D, launched
+from tests.unit.runner.driver.test_supervisor import D, launched
 
 
 def supervised(*events) -> Supervisor:

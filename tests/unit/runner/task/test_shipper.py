@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from airflow_provider_horovod import runtime
-from airflow_provider_horovod.runner import transfer, names, versions, wire
+from airflow_provider_horovod.runner import transfer, names, wire
+from airflow_provider_horovod.runner.driver import versions
 from airflow_provider_horovod.runner.task import shipper
 from airflow_provider_horovod.runner.transfer import Limits
 from airflow_provider_horovod.runner.driver.channel import Channel

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from airflow_provider_horovod.runner.stall import Stall, parse_stall, stall_env, stall_in, whole_seconds
+from airflow_provider_horovod.runner.horovod_stall import Stall, parse_stall, stall_env, stall_in, whole_seconds
 
 # rank 0's output under mpirun (Horovod 0.28.1), captured from tests/integration/test_stall.py's run
 CAPTURED = """[2026-12-04 22:04:37.334348: W /tmp/tmp.DfeAirBB3X/horovod-0.28.1/horovod/common/stall_inspector.cc:107] One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and are waiting for remainder of ranks for more than 1 seconds. This may indicate that different ranks are trying to submit different tensors or that only subset of ranks is submitting tensors, which will cause deadlock. 
@@ -46,7 +46,7 @@ def test_every_process_of_a_host_gets_the_stall_check_and_the_users_env_wins(tmp
 
     from airflow_provider_horovod.runner.task.barrier import base_env
     from airflow_provider_horovod.runner.names import TaskDir
-    from tests.unit.runner.test_host import spec
+    from tests.unit.runner.task.test_host import spec
 
     for launcher in ("mpirun", "gloo"):
         env = base_env(dataclasses.replace(spec(launcher), stall_timeout_s=8), TaskDir(tmp_path))

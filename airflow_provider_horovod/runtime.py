@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from airflow_provider_horovod.runner import names
+from airflow_provider_horovod.runner.launchers import contract_names
 
 _client = None  # set by the rank process (``runner.rank.worker``) to its ChannelClient
 _reporter = None  # rank 0's ``runner.rank.reports.Reporter``, set by the rank process
@@ -35,34 +36,40 @@ def _int(*names_: str, default: int) -> int:
     return default
 
 
-# The runner's own view first (every launcher), then Gloo's contract, then MPI's.
+# The runner's own view first (every launcher), then the contract of each launcher that runs Horovod
+# (the launchers' table: MPI's, then Gloo's), as training code run outside the runner reads them.
+_CONTRACT = {what: contract_names(what, horovod=True) for what in
+             ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "hostname")}
+
+
 def rank() -> int:
-    return _int(names.ENV_RANK, "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", default=0)
+    return _int(names.ENV_RANK, *_CONTRACT["rank"], default=0)
 
 
 def size() -> int:
-    return _int(names.ENV_SIZE, "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", default=1)
+    return _int(names.ENV_SIZE, *_CONTRACT["size"], default=1)
 
 
 def local_rank() -> int:
-    return _int(names.ENV_LOCAL_RANK, "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
+    return _int(names.ENV_LOCAL_RANK, *_CONTRACT["local_rank"], default=0)
 
 
 def local_size() -> int:
-    return _int(names.ENV_LOCAL_SIZE, "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", default=1)
+    return _int(names.ENV_LOCAL_SIZE, *_CONTRACT["local_size"], default=1)
 
 
 def cross_rank() -> int:
-    return _int(names.ENV_CROSS_RANK, "HOROVOD_CROSS_RANK", default=0)
+    return _int(names.ENV_CROSS_RANK, *_CONTRACT["cross_rank"], default=0)
 
 
 def cross_size() -> int:
-    return _int(names.ENV_CROSS_SIZE, "HOROVOD_CROSS_SIZE", default=1)
+    return _int(names.ENV_CROSS_SIZE, *_CONTRACT["cross_size"], default=1)
 
 
 def hostname() -> str:
     """The host identity the runner gave this rank (one per Spark executor)."""
-    return os.environ.get(names.ENV_HOSTNAME) or os.environ.get("HOROVOD_HOSTNAME", "localhost")
+    return os.environ.get(names.ENV_HOSTNAME) or next(
+        (os.environ[name] for name in _CONTRACT["hostname"] if name in os.environ), "localhost")
 
 
 def device(framework: str = "torch") -> str:

@@ -36,6 +36,7 @@ from airflow.api_fastapi.core_api.security import requires_access_dag
 from airflow_provider_horovod.metrics import duration_text, rate
 from airflow_provider_horovod.plugins.store import BadRequest, NotFound, TaskArtifacts, Try, roots
 from airflow_provider_horovod.runner.events import RunStatus
+from airflow_provider_horovod.runner.launchers import no_timeline_hint
 from airflow_provider_horovod.runner.messages import Report
 from airflow_provider_horovod.runner.wire import ProtocolError
 from airflow_provider_horovod.runner import timeline as hvd_timeline
@@ -251,7 +252,9 @@ def create_app() -> FastAPI:
     return app
 
 
-_PAGE = Environment(autoescape=True).from_string("""<!doctype html>
+_JINJA = Environment(autoescape=True)
+_JINJA.globals["no_timeline_hint"] = no_timeline_hint  # the launchers' table: what a try without Horovod shows instead
+_PAGE = _JINJA.from_string("""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Horovod · {{ dag_id }} / {{ task_id }}</title>
 <style>
  body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 16px 20px; color: #1d2733; font-size: 14px; }
@@ -321,7 +324,7 @@ _PAGE = Environment(autoescape=True).from_string("""<!doctype html>
  <p><img id="timeline-picture" alt="Horovod timeline of try {{ selected.number }}" src="{{ url('tries', selected.number|string, 'timeline.svg') }}"></p>
  <p><a id="timeline-download" href="{{ url('tries', selected.number|string, 'files', timeline) }}" download>Download {{ timeline }}</a>
  <span class="muted">— open it in <a href="https://ui.perfetto.dev" target="_blank" rel="noopener">Perfetto</a> or <code>chrome://tracing</code> for every event.</span></p>
-{% elif facts.launcher == "torch" %}<p class="muted" id="no-timeline">This try ran with <code>launcher="torch"</code>, which runs no Horovod: there is no Horovod timeline (profile with <code>torch.profiler</code> and save its trace under <code>runtime.checkpoint_dir()</code>).</p>
+{% elif no_timeline_hint(facts.launcher) %}<p class="muted" id="no-timeline">This try ran with <code>launcher="{{ facts.launcher }}"</code>, which runs no Horovod: there is no Horovod timeline: {{ no_timeline_hint(facts.launcher) }}.</p>
 {% else %}<p class="muted" id="no-timeline">No timeline was stored for this try (run the task with <code>timeline=True</code>).</p>{% endif %}
 </section>
 <section><h2>Checkpoints</h2>

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from airflow_provider_horovod.exceptions import TrainingStackError
-from airflow_provider_horovod.runner.options import Launcher
+from airflow_provider_horovod.runner.launchers import Launcher, facts_of
 
 DISTRIBUTION = "airflow-provider-horovod"
 INSTALL_HINT = "pip install 'airflow-provider-horovod[torch]' then airflow-horovod build"
@@ -95,10 +95,13 @@ def require_training_stack(launcher: Launcher) -> HorovodBuild | None:
     and how to install it when there is none, or it cannot run ``launcher`` or any framework.
     ``launcher="torch"`` needs torch only (and returns ``None``): no Horovod, no MPI."""
     python = sys.executable
-    if not Launcher(launcher).runs_horovod:
-        if importlib.util.find_spec("torch") is None:
-            raise TrainingStackError("launcher=%r needs torch, which is not installed in %s. Install it: pip install "
-                                     "'airflow-provider-horovod[torch]' (no Horovod build needed)." % (str(launcher), python))
+    facts = facts_of(launcher)
+    if not facts.runs_horovod:
+        for module in facts.rank_modules:
+            if importlib.util.find_spec(module) is None:
+                raise TrainingStackError("launcher=%r needs %s, which is not installed in %s. Install it: pip install "
+                                         "'airflow-provider-horovod[%s]' (no Horovod build needed)."
+                                         % (str(launcher), module, python, facts.extra))
         return None
     build = horovod_build()
     if build is None:
@@ -107,7 +110,7 @@ def require_training_stack(launcher: Launcher) -> HorovodBuild | None:
     if not build.frameworks:
         raise TrainingStackError("The Horovod in %s was built without any framework, MPI or Gloo (%s; PyPI's sdist "
                                  "builds it so). Rebuild it: %s." % (python, build.describe(), INSTALL_HINT))
-    needed = "MPI" if launcher == Launcher.MPIRUN else "Gloo"
+    needed = facts.horovod_controller
     if needed not in build.controllers:
         raise TrainingStackError("The Horovod in %s was built without %s, which launcher=%r needs (%s). Rebuild it: "
                                  "%s." % (python, needed, str(launcher), build.describe(), INSTALL_HINT))

@@ -16,7 +16,7 @@ from airflow_provider_horovod.exceptions import (
     TorchStoreError,
     WrongLauncherError,
 )
-from airflow_provider_horovod.runner.options import Launcher
+from airflow_provider_horovod.runner.launchers import Launcher
 
 if TYPE_CHECKING:  # the operator and the store read run reports without importing Horovod
     from airflow_provider_horovod.runner.plan import TaskFacts

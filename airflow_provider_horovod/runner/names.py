@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from airflow_provider_horovod.runner.launchers import never_from_driver
+
 # -- the environment of every rank process ------------------------------------------------------
 ENV_PLAN = "HVDRUNNER_PLAN"  # path of the plan (JSON) in the task folder
 ENV_PAYLOAD = "HVDRUNNER_PAYLOAD"  # path of the cloudpickled function and its arguments
@@ -29,10 +31,9 @@ ENV_TASK_DIR = "HVDRUNNER_TASK_DIR"  # the rank's task folder (runtime.checkpoin
 ENV_EXEC_SERVICES = "HVDRUNNER_EXEC_SERVICES"  # mpirun's rsh agent: {host: "addr:port"}
 ENV_ARTIFACT_TRANSPORT = "HVDRUNNER_ARTIFACT_TRANSPORT"  # driver: "stream" turns the same-host copy off
 ENV_BEFORE_MAIN = "HVDRUNNER_BEFORE_MAIN"  # "module:function" a launcher has its ranks call before the training function
-# The rank's place in the plan under every launcher (``plan.rank_env``). A launcher's own contract
-# is its module's ``slot_env``: ``HOROVOD_RANK`` & co only under Gloo, as ``horovodrun`` does (code in
-# the Horovod ecosystem reads "HOROVOD_RANK is set" as "launched with Gloo" and calls
-# ``hvd.shutdown()`` between tests, which ends MPI for good).
+# The rank's place in the plan under every launcher (``plan.rank_env``): what rank-side code reads.
+# A launcher's own contract is set by its module (``slot_env``; MPI's under mpirun) and its names are
+# in the launchers' table: ``HOROVOD_RANK`` & co only under Gloo, as ``horovodrun`` does.
 ENV_RANK = "HVDRUNNER_RANK"
 ENV_SIZE = "HVDRUNNER_SIZE"
 ENV_LOCAL_RANK = "HVDRUNNER_LOCAL_RANK"
@@ -41,11 +42,9 @@ ENV_CROSS_RANK = "HVDRUNNER_CROSS_RANK"
 ENV_CROSS_SIZE = "HVDRUNNER_CROSS_SIZE"
 ENV_HOSTNAME = "HVDRUNNER_HOSTNAME"
 ENV_GPUS = "HVDRUNNER_GPUS"  # the addresses of the GPUs Spark gave the rank's task ("0,1"); absent: none
-# What the Gloo contract sets and a driver's own environment must never leak into a rank.
-HOROVOD_RANK_CONTRACT = (
-    "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
-    "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_TIMELINE",
-)
+# What a driver's own environment must never leak into a rank: the contract names the launchers'
+# table marks so (the Gloo contract's ``HOROVOD_RANK`` & co), and Horovod's timeline.
+HOROVOD_RANK_CONTRACT = (*never_from_driver(), "HOROVOD_TIMELINE")
 # What of the task's environment reaches the ranks, mpirun and orted (``passes_to_ranks``;
 # docs/security.md): an allow-list of what they and the frameworks need, never a name that holds a
 # secret by its name; more through the user's ``env=`` (values) or ``HVDRUNNER_PASS_ENV`` (names).

@@ -3,24 +3,9 @@ when its DAG is parsed (importing this module imports nothing heavy)."""
 
 from __future__ import annotations
 
-import enum
 import os
 
-
-class Launcher(enum.StrEnum):
-    """How the ranks are started: ``mpirun`` (the default, as in the original HorovodRunner),
-    Horovod's Gloo, or ``torch`` (torch.distributed's own contract, as torchrun sets it: no Horovod).
-    A ``str``: JSON, XCom and the task's marker hold the plain word. Each has its module in
-    ``runner/launchers/``."""
-
-    MPIRUN = "mpirun"
-    GLOO = "gloo"
-    TORCH = "torch"
-
-    @property
-    def runs_horovod(self) -> bool:
-        return self != Launcher.TORCH
-
+from airflow_provider_horovod.runner.launchers import Launcher, facts_of  # noqa: F401 - Launcher: its callers import it here
 
 VERBOSITIES = ("all", "log_callback_only")
 DEFAULT_START_TIMEOUT_S = 120.0
@@ -52,10 +37,9 @@ def check_options(*, launcher: str, driver_log_verbosity: str, start_timeout: fl
             raise ValueError("%s must be a positive int; got %r" % (name, value))
     if not isinstance(timeline, bool):
         raise ValueError("timeline must be True or False; got %r" % (timeline,))
-    if timeline and not Launcher(launcher).runs_horovod:
+    if timeline and not facts_of(launcher).runs_horovod:
         raise ValueError("timeline=True records a Horovod timeline, and launcher=%r runs no Horovod. Leave timeline "
-                         "off, and profile with torch.profiler inside the training function (save its trace under "
-                         "runtime.checkpoint_dir() to get it back)." % str(launcher))
+                         "off, and %s." % (str(launcher), facts_of(launcher).no_timeline_hint))
 
 
 def check_keep(keep: object) -> int:

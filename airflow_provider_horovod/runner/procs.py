@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import psutil
 
-from airflow_provider_horovod.runner import names
+from airflow_provider_horovod.runner import launchers, names
 
 WATCH_INTERVAL_S = 0.5
 TERM_GRACE_S = 2.0
@@ -167,7 +167,7 @@ def wait_for_parent_end(pid: int) -> None:
 
 def working_in(folders: Sequence[str]) -> list[psutil.Process]:
     """This user's processes started for one of ``folders`` (a task's ranks, mpirun, orted, their
-    reapers and rsh agent: their environment names the task's plan or orted's session folder)."""
+    reapers and rsh agent: their environment names the task's plan or a launcher's session folder, orted's)."""
     inside = tuple(os.path.join(f, "") for f in folders)
     found = []
     for proc in psutil.process_iter(["uids"]):
@@ -175,7 +175,7 @@ def working_in(folders: Sequence[str]) -> list[psutil.Process]:
             if proc.pid == os.getpid() or proc.info["uids"].real != os.getuid():
                 continue
             env = proc.environ()
-            named = (env.get(names.ENV_PLAN, ""), os.path.join(env.get("OMPI_MCA_orte_tmpdir_base", ""), ""))
+            named = (env.get(names.ENV_PLAN, ""), *(os.path.join(env.get(name, ""), "") for name in launchers.session_envs()))
             if any(n.startswith(inside) for n in named if n):
                 found.append(proc)
     return found

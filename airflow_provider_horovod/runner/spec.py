@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from airflow_provider_horovod.runner.dataset import DatasetSpec
-from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S, Launcher
+from airflow_provider_horovod.runner.launchers import Launcher
+from airflow_provider_horovod.runner.options import DEFAULT_STALL_TIMEOUT_S
 
 __all__ = ["RunSpec"]
 

@@ -4,17 +4,29 @@ at module level or inside a function, ``TYPE_CHECKING`` blocks included.
 
 Rooms: ``driver/`` (the process that calls ``HorovodRunner.run``), ``task/`` (each Spark barrier
 task), ``launchers/`` (entered from the task side), ``rank/`` (each rank process) and the shared
-modules directly in ``runner/``. Arrows run down, from a caller to what it calls:
+modules directly in ``runner/``. The launchers' table, ``launchers/__init__.py`` (the package itself:
+``Launcher``, ``LAUNCHERS``, ``launcher_of``), is a shared module: every role asks it what a launcher
+is (the rank included: which names say its rank, whether ``hvd.init()`` is allowed), so it imports
+nothing of the engine at all, only the standard library, and names each launcher's module as a
+string that ``launcher_of`` imports when the task side asks. Arrows run down, from a caller to what
+it calls:
 
+- the launchers' table imports no module of the engine (the standard library only);
 - the shared modules import no room (every role imports them);
 - ``launchers/`` imports neither ``task/`` nor ``driver/`` (the task side calls the launchers);
 - ``rank/`` imports none of ``task/``, ``driver/``, ``launchers/`` (they start the rank);
 - ``task/`` does not import ``driver/`` (the driver runs the barrier stage);
 - no module of the engine is part of an import cycle.
 
-Deliberate exceptions, each an arrow this test leaves out (``EXCEPTIONS``), with its reason: none
-today (an ``Attempt`` receives values, ``AttemptOptions``, not its runner: ``driver.attempt`` imports
-no ``driver.runner``).
+``runtime.py``, what training code imports, stands at the package's top for its users but runs in
+the rank process (the rank sets its channel client there): it counts as a module of ``rank/``.
+
+Deliberate exceptions, each an arrow this test leaves out (``EXCEPTIONS``), with its reason:
+
+- ``runtime`` -> ``task.shipper``: ``runtime.commit_checkpoint`` writes a commit request with
+  ``shipper.request_commit``, whose folder names and order the shipper in rank 0's task reads back;
+  the writer stands beside its one reader. It is a function call inside ``commit_checkpoint`` and
+  imports nothing of the task when a rank starts.
 
 A rank's command, ``launchers.processes.WORKER``, names ``runner.rank.worker`` as a string for
 ``python -m``: a process started, not an import.
@@ -23,6 +35,7 @@ A rank's command, ``launchers.processes.WORKER``, names ``runner.rank.worker`` a
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,7 +54,10 @@ FORBIDDEN = {
     "task": {"driver"},
     "driver": set(),
 }
-EXCEPTIONS: set[tuple[str, str]] = set()  # (importer, imported): arrows left out of every rule, each with its reason in the docstring
+RUNTIME = "%s.runtime" % PACKAGE.rpartition(".")[0]  # the training code's face, a module of the rank
+EXCEPTIONS = {  # (importer, imported): arrows left out of every rule, each with its reason in the docstring
+    (RUNTIME, "%s.task.shipper" % PACKAGE),
+}
 
 
 def module_name(path: Path) -> str:
@@ -52,12 +68,18 @@ def module_name(path: Path) -> str:
 
 
 def engine_modules() -> dict[str, Path]:
-    return {module_name(path): path for path in sorted(RUNNER.rglob("*.py"))}
+    return {**{module_name(path): path for path in sorted(RUNNER.rglob("*.py"))},
+            RUNTIME: RUNNER.parent / "runtime.py"}
+
+
+TABLE = "%s.launchers" % PACKAGE  # the launchers' table: the package's own module, shared by every role
 
 
 def room_of(module: str) -> str:
+    if module == RUNTIME:
+        return "rank"
     first = module[len(PACKAGE) + 1 :].split(".")[0] if module != PACKAGE else ""
-    return first if first in ROOMS else SHARED
+    return first if first in ROOMS and module != TABLE else SHARED
 
 
 def imported(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
@@ -66,10 +88,11 @@ def imported(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names if alias.name in modules)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in modules:
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
                 child = "%s.%s" % (node.module, alias.name)
-                out.add(child if child in modules else node.module)
+                if child in modules or node.module in modules:
+                    out.add(child if child in modules else node.module)
     out.discard(module)
     return {target for target in out if (module, target) not in EXCEPTIONS}
 
@@ -95,9 +118,24 @@ def test_a_room_never_imports_its_callers(room):
     assert not wrong, "arrows that run up, out of %s: %s" % (room, wrong)
 
 
+def test_the_launchers_table_imports_the_standard_library_only():
+    path = engine_modules()[TABLE]
+    outside = sorted(
+        name
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or "."] if isinstance(node, ast.ImportFrom) and node.level == 0 else
+                     ["." * getattr(node, "level", 0)] if isinstance(node, ast.ImportFrom) else [])
+        if name.split(".")[0] not in sys.stdlib_module_names | {"__future__"}
+    )
+    assert not outside, "the launchers' table is imported by every role and must import nothing else: %s" % outside
+
+
 def test_the_rules_see_a_wrong_arrow():
-    graph = {"%s.launchers.gloo" % PACKAGE: {"%s.task.barrier" % PACKAGE}}
-    assert [t for m, ts in graph.items() for t in ts if room_of(t) in FORBIDDEN[room_of(m)]]
+    graph = {"%s.launchers.gloo" % PACKAGE: {"%s.task.barrier" % PACKAGE},
+             "%s.rank.worker" % PACKAGE: {"%s.launchers.gloo" % PACKAGE}}
+    assert len([t for m, ts in graph.items() for t in ts if room_of(t) in FORBIDDEN[room_of(m)]]) == 2
+    assert room_of(TABLE) == SHARED and room_of("%s.launchers.torch" % PACKAGE) == "launchers"
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -275,7 +275,7 @@ class Attempt:
         tag = "hvdrunner-%s" % spec.run_id
         self.report.coordination = "channel" if address is not None else "spark"
         entry = executors.task_entry(pickle.dumps(spec), ERROR_MARKER, "spark_task",
-                                     executors.needed_modules(self.options.launcher.runs_horovod))
+                                     executors.needed_modules(self.options.launcher))
         self.workers_python = executors.workers_python(spark)
         with executors.python_of_workers(spark):
             df = source.mapInArrow(entry, RESULT_SCHEMA, barrier=True)
@@ -525,7 +525,7 @@ class Attempt:
         mismatch = python_mismatch_text(text, platform.python_version())
         if mismatch is not None:
             return ExecutorMismatchError(mismatch)
-        missing = executors.missing_module_text(text, self.workers_python, executors.needed_modules(self.options.launcher.runs_horovod))
+        missing = executors.missing_module_text(text, self.workers_python, executors.needed_modules(self.options.launcher))
         if missing is not None:
             return ExecutorMismatchError(missing)
         return HorovodRunError("The Spark job running the Horovod ranks failed:\n%s" % quoted_text(str(err).strip()[:4000]))

@@ -1,5 +1,5 @@
 """What the executors need to run a barrier task: an interpreter with this package, cloudpickle and
-Horovod (torch, for ``launcher="torch"``). A local master gets the driver's own; elsewhere the first thing a task does is check, and
+what the launchers' table names for its ranks (Horovod, or torch alone). A local master gets the driver's own; elsewhere the first thing a task does is check, and
 an executor without them fails the run with one line that names its host, its interpreter and the fix.
 """
 
@@ -11,6 +11,8 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+
+from airflow_provider_horovod.runner.launchers import facts_of
 
 PYTHON_CONF = "spark.pyspark.python"
 # What the barrier task imports, and what its ranks import (only looked for: a fraction of a millisecond).
@@ -71,9 +73,10 @@ def python_of_workers(spark: Any) -> Iterator[None]:
         sc.pythonExec = before
 
 
-def needed_modules(runs_horovod: bool) -> tuple[str, ...]:
-    """What the ranks import besides this package: Horovod under mpirun and Gloo, torch under torch."""
-    return FOUND if runs_horovod else ("cloudpickle", "torch")
+def needed_modules(launcher: str) -> tuple[str, ...]:
+    """What the ranks import besides this package, as the launchers' table says (Horovod under mpirun
+    and Gloo, torch under torch)."""
+    return facts_of(launcher).rank_modules
 
 
 def needs_text(found: tuple[str, ...]) -> str:

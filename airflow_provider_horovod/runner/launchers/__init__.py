@@ -1,4 +1,5 @@
-"""Launchers: how the ranks of one barrier stage start. One module per launcher, one interface.
+"""Launchers: how the ranks of one barrier stage start. One module per launcher, one interface, and
+one table of what the rest of the engine may know of a launcher (``LAUNCHERS``).
 
 ``mpirun`` (``mpirun.py``, with its rsh agent ``mpirun_rsh.py``), ``gloo`` (``gloo.py``, Horovod's
 rendezvous) and ``torch`` (``torch.py``, torchrun's environment contract) each define the same five
@@ -16,21 +17,150 @@ functions; the task side (``barrier.py``) and the driver's local ranks call them
 What the launchers share on a host (``WORKER``, ``run_rank_processes``, ``run_reaped``,
 ``hand_over_key``) is ``processes.py``; a launcher imports nothing of the task side or the driver.
 
-A rank's environment contract is set in its launcher's module, nowhere else: ``slot_env`` under Gloo
-and torch; under mpirun, MPI's own (``OMPI_COMM_WORLD_*``, set by ``orted``) and ``host_env``. Its
-names are still read outside ``launchers/`` where a process asks which rank it is or runs:
-``rank/worker.py`` (``_rank``, mpirun's output forwarding), ``rank/horovod_guard.py``,
-``task/rank_states.py``, ``procs.py`` (orted's session folder) and ``runtime.py``.
+Everything else asks this table (``LAUNCHERS``, one ``LauncherFacts`` per launcher): whether it runs
+Horovod (and so whether ``hvd.init()`` is allowed, a timeline exists, Horovod is checked on the
+driver and the executors), what its ranks import, the pip extra, the environment names of its
+contract (which a rank reads through ``rank_names`` & co, never by name), where its own daemons keep
+their session, and what the Horovod view says in place of a timeline. A rank's environment contract
+is *set* in its launcher's module (``slot_env`` under Gloo and torch; under mpirun, MPI's own
+``OMPI_COMM_WORLD_*``, set by ``orted``, and ``host_env``) and *read* elsewhere only through this
+table: ``rank/worker.py``, ``rank/horovod_guard.py``, ``task/rank_states.py``, ``procs.py``,
+``names.py`` and ``runtime.py`` ask it. Adding a launcher is a module here and one entry below
+(``docs/architecture.md``; ``tests/unit/test_launcher_table.py`` holds it).
+
+This module is a shared one (every role may import it, the rank included): it imports nothing but
+the standard library, and names each implementation as a string that ``launcher_of`` imports on
+first use (Gloo's imports Horovod, torch's nothing heavy).
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import ModuleType
 
-from airflow_provider_horovod.runner.options import Launcher
+__all__ = ["LAUNCHERS", "Launcher", "LauncherFacts", "Services", "facts_of", "launcher_of"]
 
-__all__ = ["Services", "launcher_of"]
+
+class Launcher(enum.StrEnum):
+    """How the ranks are started: ``mpirun`` (the default, as in the original HorovodRunner),
+    Horovod's Gloo, or ``torch`` (torch.distributed's own contract, as torchrun sets it: no Horovod).
+    A ``str``: JSON, XCom and the task's marker hold the plain word. Each has its entry in
+    ``LAUNCHERS`` and its module in this package."""
+
+    MPIRUN = "mpirun"
+    GLOO = "gloo"
+    TORCH = "torch"
+
+    @property
+    def runs_horovod(self) -> bool:
+        return LAUNCHERS[self].runs_horovod
+
+
+@dataclass(frozen=True)
+class LauncherFacts:
+    """What the engine outside ``launchers/`` knows of one launcher.
+
+    ``contract``: the environment names the launcher's own contract gives a rank, by what they say
+    (``rank``, ``size``, ``local_rank``, ``local_size``, ``cross_rank``, ``cross_size``, ``hostname``);
+    ``mark``: the name whose presence says a process was started under this launcher's contract.
+    """
+
+    name: Launcher
+    module: str  # the module implementing the five functions, imported by ``launcher_of``
+    runs_horovod: bool  # Horovod runs in the ranks: hvd.init() is allowed, a timeline exists, Horovod is checked
+    horovod_controller: str | None  # the controller the driver's Horovod build must have ("MPI", "Gloo")
+    rank_modules: tuple[str, ...]  # what the ranks import besides this package (checked on driver and executors)
+    extra: str | None  # the pip extra that installs what the ranks import (None: a Horovod build, environment.INSTALL_HINT)
+    contract: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    mark: str | None = None
+    forwards_output: bool = False  # a rank's fd 1 is the launcher's pipe (orted): the rank forwards its lines there
+    session_env: str | None = None  # names the folder the launcher's own daemons keep their session in (orted)
+    contract_never_from_driver: bool = False  # a driver's own values of the contract's names never reach a rank
+    no_timeline_hint: str | None = None  # runs no Horovod: where to profile instead (options, the Horovod view)
+
+
+LAUNCHERS: dict[Launcher, LauncherFacts] = {
+    Launcher.MPIRUN: LauncherFacts(
+        name=Launcher.MPIRUN, module=__name__ + ".mpirun", runs_horovod=True, horovod_controller="MPI",
+        rank_modules=("cloudpickle", "horovod"), extra=None,
+        # Open MPI's names (set by orted), then PMIx's and PMI's, as any MPI launcher sets them
+        contract={"rank": ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"), "size": ("OMPI_COMM_WORLD_SIZE",),
+                  "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",), "local_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",)},
+        mark="OMPI_COMM_WORLD_RANK", forwards_output=True, session_env="OMPI_MCA_orte_tmpdir_base",
+    ),
+    Launcher.GLOO: LauncherFacts(
+        name=Launcher.GLOO, module=__name__ + ".gloo", runs_horovod=True, horovod_controller="Gloo",
+        rank_modules=("cloudpickle", "horovod"), extra=None,
+        contract={"rank": ("HOROVOD_RANK",), "size": ("HOROVOD_SIZE",), "local_rank": ("HOROVOD_LOCAL_RANK",),
+                  "local_size": ("HOROVOD_LOCAL_SIZE",), "cross_rank": ("HOROVOD_CROSS_RANK",),
+                  "cross_size": ("HOROVOD_CROSS_SIZE",), "hostname": ("HOROVOD_HOSTNAME",)},
+        mark="HOROVOD_RANK",
+        # code in the Horovod ecosystem reads "HOROVOD_RANK is set" as "launched with Gloo" (and calls
+        # hvd.shutdown() between tests, which ends MPI for good): a driver's own never reaches a rank
+        contract_never_from_driver=True,
+    ),
+    Launcher.TORCH: LauncherFacts(
+        name=Launcher.TORCH, module=__name__ + ".torch", runs_horovod=False, horovod_controller=None,
+        rank_modules=("cloudpickle", "torch"), extra="torch",
+        contract={"rank": ("RANK",), "size": ("WORLD_SIZE",), "local_rank": ("LOCAL_RANK",),
+                  "local_size": ("LOCAL_WORLD_SIZE",), "cross_rank": ("GROUP_RANK",),
+                  "cross_size": ("GROUP_WORLD_SIZE",)},
+        mark="TORCHELASTIC_RUN_ID",
+        no_timeline_hint="profile with torch.profiler inside the training function (save its trace under "
+                         "runtime.checkpoint_dir() to get it back)",
+    ),
+}
+
+
+def facts_of(launcher: Launcher | str) -> LauncherFacts:
+    """The table's entry for ``launcher`` (a ``ValueError`` for a word that names none)."""
+    return LAUNCHERS[Launcher(launcher)]
+
+
+def rank_names(*, horovod: bool | None = None) -> tuple[str, ...]:
+    """Every name a launcher's contract gives a rank its number by, in the table's order
+    (``horovod``: only the launchers that run Horovod, or only those that do not)."""
+    return contract_names("rank", horovod=horovod)
+
+
+def contract_names(what: str, *, horovod: bool | None = None) -> tuple[str, ...]:
+    """The names that say ``what`` (``"rank"``, ``"size"``, ...) under each launcher's contract."""
+    return tuple(name for facts in LAUNCHERS.values() if horovod is None or facts.runs_horovod == horovod
+                 for name in facts.contract.get(what, ()))
+
+
+def started_under(env: Mapping[str, str], *, horovod: bool | None = None) -> tuple[LauncherFacts, ...]:
+    """The launchers whose contract this environment carries (by each one's ``mark``)."""
+    return tuple(facts for facts in LAUNCHERS.values() if facts.mark is not None and facts.mark in env
+                 and (horovod is None or facts.runs_horovod == horovod))
+
+
+def forwards_output(env: Mapping[str, str]) -> bool:
+    """A rank in ``env`` writes its output to its launcher's pipe as well as to its log (mpirun's orted)."""
+    return any(facts.forwards_output for facts in started_under(env))
+
+
+def session_envs() -> tuple[str, ...]:
+    """The names that hold a launcher's own session folder in a process's environment (orted's)."""
+    return tuple(facts.session_env for facts in LAUNCHERS.values() if facts.session_env)
+
+
+def never_from_driver() -> tuple[str, ...]:
+    """Contract names a driver's own environment must never pass to a rank, under any launcher."""
+    return tuple(name for facts in LAUNCHERS.values() if facts.contract_never_from_driver
+                 for names in facts.contract.values() for name in names)
+
+
+def no_timeline_hint(launcher: object) -> str | None:
+    """What the Horovod view and the options check say in place of a timeline: ``None`` for a launcher
+    that runs Horovod (or a word that names no launcher)."""
+    try:
+        return facts_of(launcher).no_timeline_hint  # type: ignore[arg-type]
+    except ValueError:
+        return None
 
 
 class Services:
@@ -49,4 +179,4 @@ class Services:
 
 def launcher_of(launcher: Launcher | str) -> ModuleType:
     """The module of ``launcher`` (imported on first use: Gloo's imports Horovod, torch's nothing heavy)."""
-    return importlib.import_module("%s.%s" % (__name__, Launcher(launcher).value))
+    return importlib.import_module(facts_of(launcher).module)

@@ -24,17 +24,25 @@ from collections.abc import Callable
 from typing import Any
 
 from airflow_provider_horovod.exceptions import WrongLauncherError
+from airflow_provider_horovod.runner.launchers import rank_names, started_under
 
 BASICS = "horovod.common.basics"
 _MARK = "__hvdrunner_launcher_checked__"
-# What says a process is a rank of Horovod's own world: its Gloo contract, or an MPI launcher.
-HOROVOD_WORLD_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+# What says a process is a rank of Horovod's own world: the Gloo contract, or an MPI launcher's (the launchers' table).
+HOROVOD_WORLD_ENV = rank_names(horovod=True)
 
 
 def under_torch_contract(environ: dict[str, str] | None = None) -> bool:
-    """This process was started with torchrun's contract and not with Horovod's."""
+    """This process was started with torchrun's contract (a launcher that runs no Horovod) and not with Horovod's."""
     env = os.environ if environ is None else environ
-    return "TORCHELASTIC_RUN_ID" in env and not any(name in env for name in HOROVOD_WORLD_ENV)
+    return bool(started_under(env, horovod=False)) and not any(name in env for name in HOROVOD_WORLD_ENV)
+
+
+def _said(what: str) -> str:
+    """The rank or size this rank's contract says (the launcher that runs no Horovod), ``?`` when none."""
+    found = (os.environ.get(name) for facts in started_under(os.environ, horovod=False)
+             for name in facts.contract.get(what, ()))
+    return next((value for value in found if value is not None), "?")
 
 
 def message() -> str:
@@ -44,7 +52,7 @@ def message() -> str:
         "make every rank a world of one: nothing averaged, each rank training its own model. Either run this "
         "function with launcher=\"gloo\" or launcher=\"mpirun\" (Horovod code), or drop hvd.init() and the other "
         "hvd.* calls and use torch.distributed (dist.init_process_group(), DistributedDataParallel) under "
-        "launcher=\"torch\"." % (os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")))
+        "launcher=\"torch\"." % (_said("rank"), _said("size")))
 
 
 def _refusing(init: Callable[..., Any]) -> Callable[..., Any]:

@@ -26,12 +26,15 @@ FOLLOW_INTERVAL_S = 0.1  # how often the log file is read for new lines (a wake-
 
 
 def _rank() -> int:
+    """The task's word (``HVDRUNNER_RANK``, Gloo and torch), else the launcher's own (MPI's, set by
+    orted under mpirun): every name the launchers' table lists for a rank."""
+    from airflow_provider_horovod.runner.launchers import rank_names
     from airflow_provider_horovod.runner.names import ENV_RANK
 
-    for name in (ENV_RANK, "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+    for name in (ENV_RANK, *rank_names()):
         if os.environ.get(name):
             return int(os.environ[name])
-    raise RuntimeError("the rank process was started without %s or OMPI_COMM_WORLD_RANK" % ENV_RANK)
+    raise RuntimeError("the rank process was started without %s or any of %s" % (ENV_RANK, ", ".join(rank_names())))
 
 
 class OutputPump:
@@ -135,7 +138,7 @@ def _take_key(path: Path) -> bytes:
 def _setup(rank: int):
     """Find this rank's slot, arm the watchdog, connect to the driver, capture the output."""
     from airflow_provider_horovod import runtime
-    from airflow_provider_horovod.runner import names
+    from airflow_provider_horovod.runner import launchers, names
     from airflow_provider_horovod.runner.client import ChannelClient
     from airflow_provider_horovod.runner.plan import Plan, rank_env
     from airflow_provider_horovod.runner.procs import start_watchdog
@@ -157,9 +160,8 @@ def _setup(rank: int):
         from airflow_provider_horovod.runner.rank.reports import Reporter
 
         runtime._reporter = Reporter(client)
-    under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
     pump = OutputPump(rank, client, stream=os.environ.get(names.ENV_VERBOSITY, "all") == "all",
-                      log_path=task.rank_log(rank), forward=under_mpirun)
+                      log_path=task.rank_log(rank), forward=launchers.forwards_output(os.environ))
     os.environ.update(rank_env(slot))
     os.environ[names.ENV_TASK_DIR] = slot.task_dir
     if os.environ.get(names.ENV_HAS_RESUME) == "1":

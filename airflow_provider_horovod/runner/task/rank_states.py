@@ -12,10 +12,10 @@ from typing import Any
 
 import psutil
 
-from airflow_provider_horovod.runner import names
+from airflow_provider_horovod.runner import launchers, names
 
 _WORKER = "airflow_provider_horovod.runner.rank.worker"
-_RANK_ENV = (names.ENV_RANK, "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK")
+_RANK_ENV = (names.ENV_RANK, *launchers.rank_names())  # the task's word, else each launcher's contract
 
 
 def snapshot(root: int | None = None) -> dict[str, dict[str, Any]]:

@@ -10,10 +10,16 @@ import uuid
 import psutil
 import pytest
 
-from tests import jvm
+from tests import groups, jvm
 
 # Every process this test session starts (executors, ranks, orted) inherits this marker, so the
 # leftover checks below see only our own processes, not those of another session on the machine.
+# Each pytest-xdist worker is a session of its own here (the workers inherit the controller's
+# environment: without a marker of their own, one worker's check would see the other's ranks).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and os.environ.get("HVDRUNNER_TEST_SESSION_WORKER") != _WORKER:
+    os.environ["HVDRUNNER_TEST_SESSION"] = uuid.uuid4().hex
+    os.environ["HVDRUNNER_TEST_SESSION_WORKER"] = _WORKER
 TEST_SESSION = os.environ.setdefault("HVDRUNNER_TEST_SESSION", uuid.uuid4().hex)
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -22,8 +28,41 @@ os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Every Spark JVM of the suite starts with ``tests/jvm.py``'s options (set before any starts)."""
+    """Every Spark JVM of the suite starts with ``tests/jvm.py``'s options (set before any starts).
+    Under pytest-xdist the controller runs this first (xdist starts its workers after this hook):
+    the class-data archive is made once, before the workers, which find it made."""
     os.environ.update(jvm.environment())
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--group", action="append", default=[], metavar="NAME",
+                     help="run only this group of tests/groups.py (a name of its table, or a test file's path); "
+                          "may be given more than once. Groups: %s" % ", ".join(groups.names()))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--group NAME``: only that group's tests are run (tests/groups.py)."""
+    wanted = set(config.getoption("group"))
+    if not wanted:
+        return
+    unknown = {w for w in wanted if w not in groups.BY_NAME and not os.path.exists(w)}
+    if unknown:
+        raise pytest.UsageError("--group: no such group: %s (groups: %s, or a test file's path)"
+                                % (", ".join(sorted(unknown)), ", ".join(groups.names())))
+    kept, left = [], []
+    for item in items:
+        (kept if groups.group_of(item.nodeid).name in wanted else left).append(item)
+    config.hook.pytest_deselected(items=left)
+    items[:] = kept
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` (scripts/test) splits the suite by tests/groups.py's table."""
+    if config.getvalue("dist") == "loadgroup":
+        return groups.make_scheduler(config, log)
+    return None
 
 
 @pytest.fixture(scope="session", autouse=True)

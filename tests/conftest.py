@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import uuid
 
@@ -27,11 +28,36 @@ os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
 
 
+_archive_maker: threading.Thread | None = None
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Every Spark JVM of the suite starts with ``tests/jvm.py``'s options (set before any starts).
-    Under pytest-xdist the controller runs this first (xdist starts its workers after this hook):
-    the class-data archive is made once, before the workers, which find it made."""
+
+    Under pytest-xdist the class-data archive is still made once per virtualenv, by the controller
+    (which starts no JVM of its own), while the workers start and collect the suite (30 s and more);
+    each worker sets the options once it has collected (``pytest_collection_finish``), waiting on the
+    archive's lock if it is still being made. Whoever takes the lock first makes it; the others find
+    it made."""
+    global _archive_maker
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return
+    if config.getoption("dist", "no") != "no":
+        _archive_maker = threading.Thread(target=jvm.environment, name="class-data-archive", daemon=True)
+        _archive_maker.start()
+        return
     os.environ.update(jvm.environment())
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):  # an xdist worker: before its first test
+        os.environ.update(jvm.environment())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _archive_maker is not None:  # never leave the maker's JVM behind (a run shorter than it)
+        _archive_maker.join()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import uuid
 
 import psutil
 import pytest
 
-from tests import jvm
+from tests import groups, jvm
 
 # Every process this test session starts (executors, ranks, orted) inherits this marker, so the
 # leftover checks below see only our own processes, not those of another session on the machine.
+# Each pytest-xdist worker is a session of its own here (the workers inherit the controller's
+# environment: without a marker of their own, one worker's check would see the other's ranks).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and os.environ.get("HVDRUNNER_TEST_SESSION_WORKER") != _WORKER:
+    os.environ["HVDRUNNER_TEST_SESSION"] = uuid.uuid4().hex
+    os.environ["HVDRUNNER_TEST_SESSION_WORKER"] = _WORKER
 TEST_SESSION = os.environ.setdefault("HVDRUNNER_TEST_SESSION", uuid.uuid4().hex)
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -21,9 +28,67 @@ os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 os.environ.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
 
 
+_archive_maker: threading.Thread | None = None
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Every Spark JVM of the suite starts with ``tests/jvm.py``'s options (set before any starts)."""
+    """Every Spark JVM of the suite starts with ``tests/jvm.py``'s options (set before any starts).
+
+    Under pytest-xdist the class-data archive is still made once per virtualenv, by the controller
+    (which starts no JVM of its own), while the workers start and collect the suite (30 s and more);
+    each worker sets the options once it has collected (``pytest_collection_finish``), waiting on the
+    archive's lock if it is still being made. Whoever takes the lock first makes it; the others find
+    it made."""
+    global _archive_maker
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return
+    if config.getoption("dist", "no") != "no":
+        _archive_maker = threading.Thread(target=jvm.environment, name="class-data-archive", daemon=True)
+        _archive_maker.start()
+        return
     os.environ.update(jvm.environment())
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):  # an xdist worker: before its first test
+        os.environ.update(jvm.environment())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _archive_maker is not None:  # never leave the maker's JVM behind (a run shorter than it)
+        _archive_maker.join()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--group", action="append", default=[], metavar="NAME",
+                     help="run only this group of tests/groups.py (a name of its table, or a test file's path); "
+                          "may be given more than once. Groups: %s" % ", ".join(groups.names()))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--group NAME``: only that group's tests are run (tests/groups.py)."""
+    wanted = set(config.getoption("group"))
+    if not wanted:
+        return
+    unknown = {w for w in wanted if w not in groups.BY_NAME and not os.path.exists(w)}
+    if unknown:
+        raise pytest.UsageError("--group: no such group: %s (groups: %s, or a test file's path)"
+                                % (", ".join(sorted(unknown)), ", ".join(groups.names())))
+    kept, left = [], []
+    for item in items:
+        (kept if groups.group_of(item.nodeid).name in wanted else left).append(item)
+    config.hook.pytest_deselected(items=left)
+    items[:] = kept
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` (scripts/test) splits the suite by tests/groups.py's table."""
+    if config.getvalue("dist") == "loadgroup":
+        return groups.make_scheduler(config, log)
+    return None
 
 
 @pytest.fixture(scope="session", autouse=True)

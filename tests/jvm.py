@@ -19,6 +19,7 @@ No behaviour depends on either option.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -101,11 +102,18 @@ def executor_conf() -> dict[str, str]:
 
 
 def archive_options() -> str:
-    """The JVM options that use the archive (made first if missing), or "" without one."""
+    """The JVM options that use the archive (made first if missing), or "" without one. One process
+    makes it (under a file lock beside it); any other that needs it meanwhile waits and finds it made."""
     path = archive()
-    if path is not None and not path.exists():
-        print("\nMaking the class-data archive of Spark's driver JVM, once per virtualenv (30-46 s here): %s" % path,
-              file=sys.stderr, flush=True)
-        if not make_archive(path):
-            print("No archive could be made; the driver JVMs start without it.", file=sys.stderr, flush=True)
-    return "-XX:SharedArchiveFile=%s %s" % (path, QUIET) if path is not None and path.exists() else ""
+    if path is None:
+        return ""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / ".making.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                print("\nMaking the class-data archive of Spark's driver JVM, once per virtualenv (30-46 s here): %s"
+                      % path, file=sys.stderr, flush=True)
+                if not make_archive(path):
+                    print("No archive could be made; the driver JVMs start without it.", file=sys.stderr, flush=True)
+    return "-XX:SharedArchiveFile=%s %s" % (path, QUIET) if path.exists() else ""

@@ -2,6 +2,18 @@
 
     .venv/bin/python benchmarks/checkpoint_commit.py [--launcher mpirun|gloo] [--rounds 3] [--mib 100]
     .venv/bin/python benchmarks/checkpoint_commit.py --store s3 [--rounds 3]    # the artifact store's tier
+    .venv/bin/python benchmarks/checkpoint_commit.py --blocked [--rounds 3]     # rank 0's time inside commit_checkpoint()
+
+``--blocked`` measures, from inside rank 0, how long each ``runtime.commit_checkpoint()`` call keeps
+the rank (``time.perf_counter()`` around the call; target <= 50 ms at every size): a 1 MiB, a
+100 MiB and a 1 GiB checkpoint (written under a temporary name, renamed into place, then committed),
+``--rounds`` calls per size, in a run whose versions go on to a ``file://`` store and in one whose
+versions go on to ``s3://`` (``store.VersionUploads``, the operator's own tier, against the
+``moto_server`` started here), alternating. Each call comes while the version before it may still be
+travelling (the shipper and the store's uploads run beside it, as in training); rank 0 waits for
+its version to reach the driver before writing the next size, so each size starts from the same
+state. The 1 GiB file lives in the task's folder under Spark's local dir (``/tmp``) and is removed
+with it.
 
 ``--store s3`` measures the store's tier instead (the operator's own code: ``store.VersionUploads``,
 ``store.MetricsLog``), against a real S3 server started here (``moto_server`` on 127.0.0.1):
@@ -33,6 +45,7 @@ target <= 2 s for 100 MB).
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -136,6 +149,88 @@ def report(rounds: list[dict]) -> bool:
         len(lat), statistics.median(lat) if lat else float("nan"), worst, TARGET_LATENCY_S,
         "PASS" if worst <= TARGET_LATENCY_S else "MISS"))
     return ratio >= TARGET_RATIO and worst <= TARGET_LATENCY_S
+
+
+# -- rank 0's blocked time per commit_checkpoint() (--blocked) ---------------------------------------
+TARGET_BLOCKED_S = 0.050
+BLOCKED_SIZES_MIB = (1, 100, 1024)
+
+
+def commit_calls(sizes=BLOCKED_SIZES_MIB, calls=3, settle_s=30.0):
+    """Rank 0: for each size, ``calls`` times: write a checkpoint of that size (temporary name, then
+    a rename), then time ``runtime.commit_checkpoint()`` from inside this process. Returns
+    ``{mib: [seconds per call]}`` (other ranks: ``{}``)."""
+    import os
+    import time
+
+    import horovod.torch as hvd
+    import torch
+
+    from airflow_provider_horovod import runtime
+    from airflow_provider_horovod.runner import names
+
+    hvd.init()
+    hvd.allreduce(torch.zeros(1), name="start")
+    got = {}
+    if hvd.rank() == 0:
+        block = os.urandom(1 << 20)
+        folder = runtime.checkpoint_dir()
+        commits = names.TaskDir(os.environ[names.ENV_TASK_DIR]).path / names.COMMITS_DIR  # snapshots not yet shipped
+        step = 0
+        for mib in sizes:
+            for _ in range(calls):
+                step += 1
+                write_checkpoint(folder / "model.bin", block, mib)
+                t0 = time.perf_counter()
+                runtime.commit_checkpoint(step=step)
+                got.setdefault(mib, []).append(time.perf_counter() - t0)
+            deadline = time.monotonic() + settle_s  # the shipper took the last snapshot: the next size starts clean
+            while time.monotonic() < deadline and commits.is_dir() and any(p.name.isdigit() for p in commits.iterdir()):
+                time.sleep(0.05)
+            time.sleep(1.0)
+        os.unlink(folder / "model.bin")
+    hvd.allreduce(torch.zeros(1), name="end")
+    return got
+
+
+def blocked_bench(args) -> bool:
+    """``--blocked``: rank 0's time inside ``commit_checkpoint()``, versions going on to file:// and to s3://."""
+    from airflow_provider_horovod import HorovodRunner, store
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests import s3
+
+    spark = warm_local_session("hvdrunner-commit-blocked")
+    got: dict[tuple[str, int], list[float]] = {}
+    with s3.serving(nice=19) as server, tempfile.TemporaryDirectory(prefix="hvd-blocked-bench-") as tmp:
+        bucket = server.new_bucket()
+        roots = {"s3": s3.uri(bucket, "bench"), "file": "file://%s/store" % tmp}
+        print_load("at the start")
+        for r, name in enumerate(("file", "s3", "s3", "file")[:max(2, args.rounds_blocked)]):
+            folder = store.prepare_try(roots[name], dag_id="bench", run_id="blocked-%d" % r, task_id="t", try_number=1)
+            uploads = store.VersionUploads(folder, Path(tmp, "uploads-%d" % r), keep=1)
+            runner = HorovodRunner(2, spark=spark, launcher=args.launcher, driver_log_verbosity="log_callback_only",
+                                   artifact_dir=Path(tmp, "run-%d" % r), on_checkpoint=uploads, keep_checkpoints=1)
+            result = runner.run(commit_calls, calls=args.rounds)
+            not_stored = uploads.close(300)
+            for mib, times in sorted(result.items()):  # rank 0's return value
+                got.setdefault((name, int(mib)), []).extend(times)
+                print("%-4s %5d MiB: commit_checkpoint() blocked rank 0 %s ms" % (
+                    name, int(mib), " ".join("%.1f" % (1000 * t) for t in times)), flush=True)
+            print("     versions stored %s, not stored (coalesced or cut) %s" % (
+                uploads.stored, [n["seq"] for n in not_stored]), flush=True)
+            shutil.rmtree(Path(tmp, "run-%d" % r), ignore_errors=True)
+        print_load("at the end")
+    spark.stop()
+    print()
+    ok = True
+    for (name, mib), times in sorted(got.items()):
+        worst = max(times)
+        ok = ok and worst <= TARGET_BLOCKED_S
+        print("rank 0 blocked per commit_checkpoint(), %-4s %5d MiB: median %.1f ms, max %.1f ms (target <= %.0f ms: %s)" % (
+            name, mib, 1000 * statistics.median(times), 1000 * worst, 1000 * TARGET_BLOCKED_S,
+            "PASS" if worst <= TARGET_BLOCKED_S else "MISS"))
+    return ok
 
 
 # -- the store's tier (--store) ------------------------------------------------------------------------
@@ -342,7 +437,13 @@ def main() -> int:
     parser.add_argument("--mib", type=int, default=100, help="checkpoint size")
     parser.add_argument("--store", choices=("s3",), help="measure the artifact store's tier on s3:// (against file://)")
     parser.add_argument("--training-only", action="store_true", help="with --store: the training part only")
+    parser.add_argument("--blocked", action="store_true",
+                        help="rank 0's time inside commit_checkpoint() at 1 MiB, 100 MiB and 1 GiB (file:// and s3://)")
+    parser.add_argument("--runs", dest="rounds_blocked", type=int, default=2,
+                        help="with --blocked: runs, alternating file:// and s3:// (2 or 4)")
     args = parser.parse_args()
+    if args.blocked:
+        return 0 if blocked_bench(args) else 1
     if args.store:
         return 0 if store_bench(args) else 1
     from airflow_provider_horovod import HorovodRunner

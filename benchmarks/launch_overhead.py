@@ -18,11 +18,14 @@ Every contender runs the same no-op job with 2 ranks: ``hvd.init()``, one ``hvd.
 * ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(fn)`` on the same
   session (distributed mode: one barrier task per process, ``torchrun`` in each).
 
-Each contender gets one untimed warm-up run; then the contenders alternate for ``--rounds`` rounds,
-in an order shuffled anew each round, each after an untimed settling job (``Contenders.settle``),
-and the script prints the median wall time of each and the ratios against the targets of issue 34
-(runner mpirun <= 0.5x ``horovodrun --mpi``, runner gloo <= 0.5x ``horovodrun --gloo``, every
-launcher <= 0.30x TorchDistributor), all from this one run.
+Each contender gets one untimed warm-up run; then ``--rounds`` rounds, each running every contender
+once beside a TorchDistributor run of its own (a pair: the anchor first in one round, second in the
+next; the pairs in an order shuffled anew each round), every run after the settle check
+(``Settler``: what the run before left behind, its processes, the Python workers it ended, the
+JVM's garbage and the load, is gone or waited out, and the wait is printed). The script prints the
+median wall time of each, each pair's ratio contender / TorchDistributor and their median against
+the targets (issue 34: every launcher <= 0.30x TorchDistributor; issue 51: <= 0.15x), and the runner
+against ``horovodrun`` of its controller (<= 0.5x, ratio of medians), all from this one run.
 
 It also prints where the time goes: rank 0 records wall-clock stamps as the job function starts,
 after ``import torch``/``horovod``, after ``init`` and after the allreduce, so each wall splits into

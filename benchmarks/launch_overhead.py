@@ -192,6 +192,7 @@ class Contenders:
 # -- settling between contenders ----------------------------------------------------------------
 LAUNCH_PROCESSES = ("torchrun", "torch.distributed.run", "mpirun", "orterun", "orted", "horovodrun", "hvdrunner",
                     "horovod.runner", "noop.py", "airflow_provider_horovod.runner")
+IDLE_PROCESSES = ("launch_overhead.py", "--janitor")  # this script; the runner's janitors (asleep until their process ends)
 QUIET_BUSY = 0.25  # the machine counts as quiet when under this share of its CPUs is busy ...
 QUIET_WINDOW_S = 0.25  # ... over two windows of this length in a row
 SETTLE_MAX_S = 30.0
@@ -234,7 +235,7 @@ class Settler:
             if info["pid"] == self.me or not info["cmdline"] or (info["create_time"] or 0) < self.since:
                 continue
             line = " ".join(info["cmdline"])
-            if any(word in line for word in LAUNCH_PROCESSES) and "launch_overhead.py" not in line:
+            if any(word in line for word in LAUNCH_PROCESSES) and not any(word in line for word in IDLE_PROCESSES):
                 found.append("%d %s" % (info["pid"], line[:80]))
         return found
 

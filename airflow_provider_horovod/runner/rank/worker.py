@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -157,6 +158,9 @@ def _setup(rank: int):
         from airflow_provider_horovod.runner.rank.reports import Reporter
 
         runtime._reporter = Reporter(client)
+    if rank == 0:  # commit_checkpoint's code, loaded beside the training's start, not in its first call
+        threading.Thread(target=importlib.import_module, args=("airflow_provider_horovod.runner.task.shipper",),
+                         name="hvdrunner-preload", daemon=True).start()
     under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
     pump = OutputPump(rank, client, stream=os.environ.get(names.ENV_VERBOSITY, "all") == "all",
                       log_path=task.rank_log(rank), forward=under_mpirun)

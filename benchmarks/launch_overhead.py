@@ -193,7 +193,7 @@ class Contenders:
 LAUNCH_PROCESSES = ("torchrun", "torch.distributed.run", "mpirun", "orterun", "orted", "horovodrun", "hvdrunner",
                     "horovod.runner", "noop.py", "airflow_provider_horovod.runner")
 IDLE_PROCESSES = ("launch_overhead.py", "--janitor")  # this script; the runner's janitors (asleep until their process ends)
-QUIET_BUSY = 0.25  # the machine counts as quiet when under this share of its CPUs is busy ...
+QUIET_BUSY = 0.15  # settled when this benchmark's process tree uses under this many cores ...
 QUIET_WINDOW_S = 0.25  # ... over two windows of this length in a row
 SETTLE_MAX_S = 30.0
 
@@ -211,9 +211,10 @@ class Settler:
        previous one's garbage;
     2. waits until no process of a launch is left on the machine (``LAUNCH_PROCESSES`` in its
        command line, started after this benchmark: ``torchrun``, ranks, ``mpirun``, ``orted``);
-    3. waits until the machine is quiet: under ``QUIET_BUSY`` of its CPUs busy (``/proc/stat``)
-       over two ``QUIET_WINDOW_S`` windows in a row, which is what the load average says a minute
-       late.
+    3. waits until what this benchmark runs is quiet: its process tree (the JVM, the Python workers,
+       anything a contender left in it) under ``QUIET_BUSY`` cores over two ``QUIET_WINDOW_S``
+       windows in a row, which is what the load average says a minute late. The whole machine's
+       busy share (``/proc/stat``) is printed beside it: other users' work is not waited for.
 
     It gives up after ``SETTLE_MAX_S`` (the contender then runs unsettled, and the report counts
     it). It does not wait for TIME_WAIT sockets (60 s each on Linux; the contenders use ephemeral
@@ -246,11 +247,22 @@ class Settler:
         idle = fields[3] + fields[4]  # idle + iowait
         return sum(fields) - idle, sum(fields)
 
-    def busy(self, seconds: float) -> float:
-        b0, t0 = self._cpu()
+    def _tree_cpu(self) -> float:
+        total = 0.0
+        me = self.psutil.Process()
+        for proc in [me, *me.children(recursive=True)]:
+            with contextlib.suppress(self.psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system + times.children_user + times.children_system
+        return total
+
+    def busy(self, seconds: float) -> tuple[float, float]:
+        """CPU busy over ``seconds``: this benchmark's own process tree (the JVM, its Python workers,
+        anything a contender left), in cores; and the whole machine, as a share of its CPUs."""
+        b0, t0, c0 = *self._cpu(), self._tree_cpu()
         time.sleep(seconds)
-        b1, t1 = self._cpu()
-        return (b1 - b0) / max(1, t1 - t0)
+        b1, t1, c1 = *self._cpu(), self._tree_cpu()
+        return (c1 - c0) / seconds, (b1 - b0) / max(1, t1 - t0)
 
     def time_waits(self) -> int:
         count = 0
@@ -269,18 +281,18 @@ class Settler:
         t0 = time.monotonic()
         spark.sparkContext.parallelize(range(2 * NP), NP).map(lambda x: x).count()
         spark._jvm.System.gc()
-        left, quiet, busy = self.leftovers(), 0, 1.0
+        left, quiet, busy, machine = self.leftovers(), 0, 1.0, 1.0
         while time.monotonic() - t0 < SETTLE_MAX_S:
             if left:
                 time.sleep(0.1)
                 left = self.leftovers()
                 continue
-            busy = self.busy(QUIET_WINDOW_S)
+            busy, machine = self.busy(QUIET_WINDOW_S)
             quiet = quiet + 1 if busy < QUIET_BUSY else 0
             if quiet >= 2:
                 break
             left = self.leftovers()
-        done = {"waited": time.monotonic() - t0, "settled": not left and quiet >= 2, "busy": busy,
+        done = {"waited": time.monotonic() - t0, "settled": not left and quiet >= 2, "busy": busy, "machine": machine,
                 "left": left[:3], "time_wait": self.time_waits(), "jvm_threads": self.jvm_threads(spark)}
         self.log.append(done)
         return done
@@ -505,12 +517,14 @@ def report_ratios(rounds: Rounds) -> None:
     if s_:
         waits = [x["waited"] for x in s_]
         print("settle checks: %d, %d unsettled after %.0f s; wait median %.2f s, max %.2f s; TIME_WAIT sockets %d-%d; "
-              "JVM threads %s" % (len(s_), sum(1 for x in s_ if not x["settled"]), SETTLE_MAX_S, statistics.median(waits),
-                                  max(waits), min(x["time_wait"] for x in s_), max(x["time_wait"] for x in s_),
-                                  "%s-%s" % (min(x["jvm_threads"] or 0 for x in s_), max(x["jvm_threads"] or 0 for x in s_))))
+              "JVM threads %s; machine busy at the start of a run, median %.0f%%" % (
+                  len(s_), sum(1 for x in s_ if not x["settled"]), SETTLE_MAX_S, statistics.median(waits),
+                  max(waits), min(x["time_wait"] for x in s_), max(x["time_wait"] for x in s_),
+                  "%s-%s" % (min(x["jvm_threads"] or 0 for x in s_), max(x["jvm_threads"] or 0 for x in s_)),
+                  100 * statistics.median(x["machine"] for x in s_)))
         for x in s_:
             if not x["settled"]:
-                print("  unsettled: busy %.2f, left %s" % (x["busy"], x["left"]))
+                print("  unsettled: tree busy %.2f cores, left %s" % (x["busy"], x["left"]))
 
 
 if __name__ == "__main__":

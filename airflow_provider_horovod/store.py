@@ -626,12 +626,15 @@ def _put_parts(local: Path, dest: Any) -> None:
     if client is None:
         dest.fs.put_file(str(local), dest.path, chunksize=PART_BYTES, max_concurrency=PARTS)
         return
-    from boto3.s3.transfer import S3Transfer, TransferConfig
+    from boto3.s3.transfer import TransferConfig
 
     bucket, key, _ = dest.fs.split_path(dest.path)
     config = TransferConfig(multipart_threshold=2 * PART_BYTES + 1, multipart_chunksize=PART_BYTES,
                             max_concurrency=PARTS)
-    S3Transfer(client, config).upload_file(str(local), bucket, key, extra_args=extra)
+    try:
+        client.upload_file(str(local), bucket, key, ExtraArgs=extra or None, Config=config)  # its threads end with it
+    finally:
+        client.close()
     path = "%s/%s" % (bucket, key)
     while path:  # as s3fs's put_file does: its listing cache no longer holds the truth
         dest.fs.invalidate_cache(path)

@@ -394,10 +394,18 @@ def store_bench(args) -> bool:
                     f.write(block)
             version = Version(seq=1, step=None, time=0.0, size=mib << 20, files=(("model.bin", mib << 20),))
             for r in range(args.rounds):
-                for name in (("s3", "file", "boto3") if r % 2 == 0 else ("boto3", "file", "s3")):
+                for name in (("s3", "file", "boto3", "s3fs") if r % 2 == 0 else ("s3fs", "boto3", "file", "s3")):
                     cpu = server_cpu(server)
                     if name == "boto3":
                         took, grew = boto3_upload(server, bucket, local / "model.bin", "anchor-%d-%d" % (mib, r)), 0.0
+                    elif name == "s3fs":  # the store as it was before issue 51: s3fs's own put_file for every file
+                        from airflow_provider_horovod import store
+
+                        transfer_client, store._transfer_client = store._transfer_client, lambda fs: (None, {})
+                        try:
+                            took, grew = commit_once(roots["s3"], local, version, 1000 * mib + 10 * r + 7)
+                        finally:
+                            store._transfer_client = transfer_client
                     else:
                         took, grew = commit_once(roots[name], local, version, 1000 * mib + 10 * r + len(name))
                     got.setdefault((name, mib), []).append((took, grew))
@@ -440,6 +448,9 @@ def store_bench(args) -> bool:
          med("s3", 1024) <= TARGET_S3_OVER_BOTO3 * med("boto3", 1024)),
         ("1 GiB version: s3:// / boto3, per round", " ".join("%.2f" % (a[0] / b[0]) for a, b in zip(
             got[("s3", 1024)], got[("boto3", 1024)])), "(paired)", True),
+        ("1 GiB: s3fs's own put_file / boto3", "%.2f s / %.2f s = %.2fx" % (
+            med("s3fs", 1024), med("boto3", 1024), med("s3fs", 1024) / med("boto3", 1024)), "none: before issue 51",
+         True),
         ("driver RSS growth during a commit, max", "%.0f MB" % rss, "<= %.0f MB" % TARGET_RSS_MB, rss <= TARGET_RSS_MB),
         ("requests per metrics commit", "%.2f" % per_commit, "<= %d" % TARGET_REQUESTS, per_commit <= TARGET_REQUESTS),
     ]

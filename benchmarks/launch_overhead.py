@@ -416,19 +416,19 @@ ANCHOR = "torchdistributor"
 
 def run_round(c: Contenders, rounds: Rounds, r: int, total: int) -> None:
     """Round ``r``: every contender once, each paired with a TorchDistributor run beside it (the
-    anchor), in an order shuffled anew each round (seeded by the round). Within a pair the anchor
-    goes first in one round and second in the next (and the pairs of a round alternate too), so no
-    contender always follows TorchDistributor; each pair's ratio is contender / anchor, both measured
+    anchor), in an order shuffled anew each round (seeded by the round). Within a contender's pair
+    the anchor goes first in one round and second in the next (and half the contenders start each
+    way), so no contender always follows TorchDistributor; each pair's ratio is contender / anchor, both measured
     a few seconds apart. Every run starts after the settle check (``Settler``). Without the anchor
     (``--skip torchdistributor``), the contenders simply run once each."""
     others = [n for n in rounds.order if n != ANCHOR]
     random.Random(r).shuffle(others)
     paired = ANCHOR in rounds.order
     line, got, pairs = [], [], []
-    for i, name in enumerate(others if others else [ANCHOR]):
+    for name in others if others else [ANCHOR]:
         seq = [name]
         if paired and name != ANCHOR:
-            seq = [ANCHOR, name] if (r + i) % 2 == 0 else [name, ANCHOR]
+            seq = [ANCHOR, name] if (r + rounds.order.index(name)) % 2 == 0 else [name, ANCHOR]
         walls = {}
         for who in seq:
             settled = c.settle()

@@ -158,9 +158,6 @@ def _setup(rank: int):
         from airflow_provider_horovod.runner.rank.reports import Reporter
 
         runtime._reporter = Reporter(client)
-    if rank == 0:  # commit_checkpoint's code, loaded beside the training's start, not in its first call
-        threading.Thread(target=importlib.import_module, args=("airflow_provider_horovod.runner.task.shipper",),
-                         name="hvdrunner-preload", daemon=True).start()
     under_mpirun = "OMPI_COMM_WORLD_RANK" in os.environ
     pump = OutputPump(rank, client, stream=os.environ.get(names.ENV_VERBOSITY, "all") == "all",
                       log_path=task.rank_log(rank), forward=under_mpirun)
@@ -175,6 +172,9 @@ def _setup(rank: int):
         folder = task.rank_folder(rank)
         folder.mkdir(parents=True, exist_ok=True)
         os.environ["HOROVOD_TIMELINE"] = str(folder / names.TIMELINE_FILE)
+    if rank == 0:  # commit_checkpoint's code, loaded beside the training's start, not in its first call
+        threading.Thread(target=importlib.import_module, args=("airflow_provider_horovod.runner.task.shipper",),
+                         name="hvdrunner-preload", daemon=True).start()
     return slot, task, client, pump
 
 

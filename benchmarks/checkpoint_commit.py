@@ -436,7 +436,7 @@ def store_bench(args) -> bool:
     def med(name: str, mib: int) -> float:
         return statistics.median(t for t, _ in got[(name, mib)])
 
-    rss = max(g for runs in got.values() for _, g in runs)
+    rss = max(g for (name, _), runs in got.items() if name != "s3fs" for _, g in runs)  # the store as it is
     checks = [
         ("100 MiB version to s3://, median", "%.2f s" % med("s3", 100), "<= %.1f s" % TARGET_S3_100MIB_S,
          med("s3", 100) <= TARGET_S3_100MIB_S),

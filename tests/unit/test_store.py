@@ -323,6 +323,10 @@ def test_a_large_file_goes_up_whole_and_is_listed_at_once(tmp_path, artifact_roo
     ``s3://``): it arrives byte for byte, and the store's listing sees it at once (the client's
     listing cache is told)."""
     folder = prepare(artifact_root, 1)
+    if artifact_root.startswith("s3://"):  # the connection's s3fs client resolves to a transfer-manager client
+        client, _ = store._transfer_client(folder.fs)
+        assert client is not None
+        client.close()
     data = os.urandom(1 << 20) * (BIG >> 20)
     version, local = local_version(tmp_path, 1, {"model.pt": data})
     assert not (folder / "versions").exists()  # listed (and cached) before the upload

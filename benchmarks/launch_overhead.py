@@ -18,11 +18,14 @@ Every contender runs the same no-op job with 2 ranks: ``hvd.init()``, one ``hvd.
 * ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(fn)`` on the same
   session (distributed mode: one barrier task per process, ``torchrun`` in each).
 
-Each contender gets one untimed warm-up run; then the contenders alternate for ``--rounds`` rounds,
-in an order shuffled anew each round, each after an untimed settling job (``Contenders.settle``),
-and the script prints the median wall time of each and the ratios against the targets of issue 34
-(runner mpirun <= 0.5x ``horovodrun --mpi``, runner gloo <= 0.5x ``horovodrun --gloo``, every
-launcher <= 0.30x TorchDistributor), all from this one run.
+Each contender gets one untimed warm-up run; then ``--rounds`` rounds, each running every contender
+once beside a TorchDistributor run of its own (a pair: the anchor first in one round, second in the
+next; the pairs in an order shuffled anew each round), every run after the settle check
+(``Settler``: what the run before left behind, its processes, the Python workers it ended, the
+JVM's garbage and the load, is gone or waited out, and the wait is printed). The script prints the
+median wall time of each, each pair's ratio contender / TorchDistributor and their median against
+the targets (issue 34: every launcher <= 0.30x TorchDistributor; issue 51: <= 0.15x), and the runner
+against ``horovodrun`` of its controller (<= 0.5x, ratio of medians), all from this one run.
 
 It also prints where the time goes: rank 0 records wall-clock stamps as the job function starts,
 after ``import torch``/``horovod``, after ``init`` and after the allreduce, so each wall splits into
@@ -35,6 +38,7 @@ and the plan sent, start sent, every task finished and released) split *start* a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -61,6 +65,7 @@ TARGETS = {  # issue 34: every launcher <= 0.30x TorchDistributor; mpirun and gl
     ("runner_gloo", "torchdistributor"): 0.30,
     ("runner_torch", "torchdistributor"): 0.30,
 }
+TARGET_TD_51, TARGET_WALL_51 = 0.15, 1.2  # issue 51 (with warm rank processes): each launcher, pairs' median and wall
 
 
 # -- the job functions (shipped by value: every import is inside) -------------------------------
@@ -135,6 +140,7 @@ class Contenders:
     def __init__(self, spark, workdir: Path) -> None:
         self.spark = spark
         self.workdir = workdir
+        self.settler = Settler()
         self.script = workdir / "noop.py"
         self.script.write_text(SCRIPT.format(source=textwrap.dedent(inspect.getsource(noop))))
 
@@ -172,18 +178,124 @@ class Contenders:
     def runner_torch(self) -> dict:
         return self.runner("torch")
 
-    def settle(self) -> None:
-        """Between two contenders, untimed: a small Python job on the session, so the next contender
-        starts on warm Python workers whatever the previous one left (TorchDistributor's tasks end
-        their workers; after it the next Spark job paid ~0.3-1.7 s for new ones), then a second for
-        the processes of the previous contender to be gone."""
-        self.spark.sparkContext.parallelize(range(2 * NP), NP).map(lambda x: x).count()
-        time.sleep(1.0)
+    def settle(self) -> dict:
+        """Between two contenders, untimed, and measured: what the previous contender left behind is
+        gone (or waited out) before the next starts (``Settler``); what it waited for."""
+        return self.settler.settle(self.spark)
 
     def torchdistributor(self) -> dict:
         from pyspark.ml.torch.distributor import TorchDistributor
 
         return TorchDistributor(num_processes=NP, local_mode=False, use_gpu=False).run(torch_noop)
+
+
+# -- settling between contenders ----------------------------------------------------------------
+LAUNCH_PROCESSES = ("torchrun", "torch.distributed.run", "mpirun", "orterun", "orted", "horovodrun", "hvdrunner",
+                    "horovod.runner", "noop.py", "airflow_provider_horovod.runner")
+IDLE_PROCESSES = ("launch_overhead.py", "--janitor")  # this script; the runner's janitors (asleep until their process ends)
+QUIET_BUSY = 0.15  # settled when this benchmark's process tree uses under this many cores ...
+QUIET_WINDOW_S = 0.25  # ... over two windows of this length in a row
+SETTLE_MAX_S = 30.0
+
+
+class Settler:
+    """The settle check between contenders (issue 51 item 2). Each contender leaves something
+    behind: TorchDistributor's barrier tasks end their Spark Python workers (the next job pays for
+    new ones) and leave ``torchrun`` and its ranks exiting, a JVM with a burst of garbage, sockets in
+    TIME_WAIT, and load; the runner leaves its ranks and the task's shipper exiting; ``horovodrun``
+    leaves its ranks and ``mpirun``/``orted``. Before the next contender starts, ``settle``:
+
+    1. runs a small Python job on the session, so every contender starts on warm Python workers
+       whatever ran before it (after TorchDistributor the next Spark job paid ~0.3-1.7 s for new
+       ones), and asks the JVM for a full GC (``System.gc()``), so no contender pays for the
+       previous one's garbage;
+    2. waits until no process of a launch is left on the machine (``LAUNCH_PROCESSES`` in its
+       command line, started after this benchmark: ``torchrun``, ranks, ``mpirun``, ``orted``);
+    3. waits until what this benchmark runs is quiet: its process tree (the JVM, the Python workers,
+       anything a contender left in it) under ``QUIET_BUSY`` cores over two ``QUIET_WINDOW_S``
+       windows in a row, which is what the load average says a minute late. The whole machine's
+       busy share (``/proc/stat``) is printed beside it: other users' work is not waited for.
+
+    It gives up after ``SETTLE_MAX_S`` (the contender then runs unsettled, and the report counts
+    it). It does not wait for TIME_WAIT sockets (60 s each on Linux; the contenders use ephemeral
+    ports, so they cost nothing but a table entry): their count and the JVM's thread count are
+    printed beside each settle, so a trend would show."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.psutil = psutil
+        self.since = time.time()
+        self.me = os.getpid()
+        self.log: list[dict] = []
+
+    def leftovers(self) -> list[str]:
+        found = []
+        for proc in self.psutil.process_iter(["pid", "cmdline", "create_time"]):
+            info = proc.info
+            if info["pid"] == self.me or not info["cmdline"] or (info["create_time"] or 0) < self.since:
+                continue
+            line = " ".join(info["cmdline"])
+            if any(word in line for word in LAUNCH_PROCESSES) and not any(word in line for word in IDLE_PROCESSES):
+                found.append("%d %s" % (info["pid"], line[:80]))
+        return found
+
+    @staticmethod
+    def _cpu() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    def _tree_cpu(self) -> float:
+        total = 0.0
+        me = self.psutil.Process()
+        for proc in [me, *me.children(recursive=True)]:
+            with contextlib.suppress(self.psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system + times.children_user + times.children_system
+        return total
+
+    def busy(self, seconds: float) -> tuple[float, float]:
+        """CPU busy over ``seconds``: this benchmark's own process tree (the JVM, its Python workers,
+        anything a contender left), in cores; and the whole machine, as a share of its CPUs."""
+        b0, t0, c0 = *self._cpu(), self._tree_cpu()
+        time.sleep(seconds)
+        b1, t1, c1 = *self._cpu(), self._tree_cpu()
+        return (c1 - c0) / seconds, (b1 - b0) / max(1, t1 - t0)
+
+    def time_waits(self) -> int:
+        count = 0
+        for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with contextlib.suppress(OSError), open(name) as f:
+                count += sum(1 for line in f.readlines()[1:] if line.split()[3] == "06")
+        return count
+
+    def jvm_threads(self, spark) -> int | None:
+        with contextlib.suppress(Exception):
+            pid = int(spark._jvm.ProcessHandle.current().pid())
+            return self.psutil.Process(pid).num_threads()
+        return None
+
+    def settle(self, spark) -> dict:
+        t0 = time.monotonic()
+        spark.sparkContext.parallelize(range(2 * NP), NP).map(lambda x: x).count()
+        spark._jvm.System.gc()
+        left, quiet, busy, machine = self.leftovers(), 0, 1.0, 1.0
+        while time.monotonic() - t0 < SETTLE_MAX_S:
+            if left:
+                time.sleep(0.1)
+                left = self.leftovers()
+                continue
+            busy, machine = self.busy(QUIET_WINDOW_S)
+            quiet = quiet + 1 if busy < QUIET_BUSY else 0
+            if quiet >= 2:
+                break
+            left = self.leftovers()
+        done = {"waited": time.monotonic() - t0, "settled": not left and quiet >= 2, "busy": busy, "machine": machine,
+                "left": left[:3], "time_wait": self.time_waits(), "jvm_threads": self.jvm_threads(spark)}
+        self.log.append(done)
+        return done
 
 
 NAMES = {
@@ -254,6 +366,8 @@ class Rounds:
     splits: dict[str, list[dict]]
     errors: dict[str, list[str]]
     per_round: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    pairs: list[dict] = dataclasses.field(default_factory=list)  # contender / TorchDistributor, side by side
+    settles: list[dict] = dataclasses.field(default_factory=list)
     done: int = 0
 
     @classmethod
@@ -297,30 +411,51 @@ def warm_up(c: Contenders, order: list[str]) -> None:
         print("  %-40s %6.2fs%s" % (NAMES[name], wall, "  FAILED: " + err if err else ""), flush=True)
 
 
+ANCHOR = "torchdistributor"
+
+
 def run_round(c: Contenders, rounds: Rounds, r: int, total: int) -> None:
-    """Round ``r``: every contender once, in an order shuffled anew each round (seeded by the round),
-    so that no contender always runs right after the same one. A rotation of one fixed order would
-    always put the same Spark contender right after the ``horovodrun`` subprocesses, which leave the
-    Spark session idle for ~13 s: the first Spark job after that pause plans ~0.4 s later."""
-    order = list(rounds.order)
-    random.Random(r).shuffle(order)
-    line, got = [], []
-    for name in order:
-        c.settle()
-        wall, split, err = timed(getattr(c, name))
-        if err:
-            rounds.errors[name].append(err)
-            line.append("%s FAILED" % name)
-            print("    %s failed in round %d: %s" % (NAMES[name], r + 1, err))
-            continue
-        got.append((name, wall, split))
-        line.append("%s %.2fs" % (name, wall))
-    for name, wall, split in got:  # only whole rounds count
+    """Round ``r``: every contender once, each paired with a TorchDistributor run beside it (the
+    anchor), in an order shuffled anew each round (seeded by the round). Within a contender's pair
+    the anchor goes first in one round and second in the next (and half the contenders start each
+    way), so no contender always follows TorchDistributor; each pair's ratio is contender / anchor, both measured
+    a few seconds apart. Every run starts after the settle check (``Settler``). Without the anchor
+    (``--skip torchdistributor``), the contenders simply run once each."""
+    others = [n for n in rounds.order if n != ANCHOR]
+    random.Random(r).shuffle(others)
+    paired = ANCHOR in rounds.order
+    line, got, pairs = [], [], []
+    for name in others if others else [ANCHOR]:
+        seq = [name]
+        if paired and name != ANCHOR:
+            seq = [ANCHOR, name] if (r + rounds.order.index(name)) % 2 == 0 else [name, ANCHOR]
+        walls = {}
+        for who in seq:
+            settled = c.settle()
+            wall, split, err = timed(getattr(c, who))
+            rounds.settles.append(settled)
+            if err:
+                rounds.errors[who].append(err)
+                line.append("%s FAILED" % who)
+                print("    %s failed in round %d: %s" % (NAMES[who], r + 1, err))
+                continue
+            walls[who] = wall
+            got.append((who, wall, split))
+            line.append("%s %.2fs%s" % (who, wall, "" if settled["settled"] else " (unsettled)"))
+        if paired and name != ANCHOR and len(walls) == 2:
+            pairs.append({"name": name, "first": seq[0], "ratio": walls[name] / walls[ANCHOR],
+                          "wall": walls[name], "anchor": walls[ANCHOR]})
+    for name, wall, split in got:
         rounds.walls[name].append(wall)
         rounds.splits[name].append(split)
-    rounds.per_round.append({name: wall for name, wall, _ in got})
+    rounds.pairs.extend(pairs)
+    rounds.per_round.append({name: statistics.median(w for n, w, _ in got if n == name) for name in {n for n, _, _ in got}})
     rounds.done += 1
     print("round %d/%d: %s" % (r + 1, total, ", ".join(line)), flush=True)
+    for pair in pairs:
+        print("    pair %-16s / torchdistributor = %.2fs / %.2fs = %.3fx  (%s first)" % (
+            pair["name"], pair["wall"], pair["anchor"], pair["ratio"],
+            "anchor" if pair["first"] == ANCHOR else "contender"), flush=True)
 
 
 def report_walls(rounds: Rounds) -> None:
@@ -348,15 +483,49 @@ def report_walls(rounds: Rounds) -> None:
 def report_ratios(rounds: Rounds) -> None:
     med = rounds.medians()
     print()
-    print("%-46s %8s %8s  %-6s %s" % ("ratio (medians)", "measured", "target", "result", "paired: median of per-round ratios"))
+    print("%-46s %8s %8s  %-6s %s" % ("ratio", "measured", "target", "result", "how"))
     for (runner, other), target in TARGETS.items():
         if runner not in rounds.order or other not in rounds.order:
             continue
-        text, value = fmt_ratio(med[runner], med[other])
+        if other == ANCHOR:  # the pairs: each contender run beside its own TorchDistributor run
+            ratios = [p["ratio"] for p in rounds.pairs if p["name"] == runner]
+            value = statistics.median(ratios) if ratios else None
+            how = "median of %d pairs: %s" % (len(ratios), " ".join("%.3f" % x for x in ratios))
+        else:
+            _, value = fmt_ratio(med[runner], med[other])
+            how = "ratio of medians; per round %s" % " ".join(
+                "%.3f" % (w[runner] / w[other]) for w in rounds.per_round if runner in w and other in w)
+        text = "n/a" if value is None else "%.3fx" % value
         verdict = "n/a (a contender failed)" if value is None else ("PASS" if value <= target else "MISS")
-        pairs = [w[runner] / w[other] for w in rounds.per_round if runner in w and other in w]
-        print("%-46s %8s %8s  %-6s %s" % ("%s / %s" % (runner, other), text, "<= %.2fx" % target, verdict,
-                                         "%.2fx" % statistics.median(pairs) if pairs else "n/a"))
+        print("%-46s %8s %8s  %-6s %s" % ("%s / %s" % (runner, other), text, "<= %.2fx" % target, verdict, how))
+    for name in rounds.order:
+        if name == ANCHOR:
+            continue
+        ratios = [p["ratio"] for p in rounds.pairs if p["name"] == name]
+        after = [p["ratio"] for p in rounds.pairs if p["name"] == name and p["first"] == ANCHOR]
+        before = [p["ratio"] for p in rounds.pairs if p["name"] == name and p["first"] != ANCHOR]
+        if ratios:
+            print("  %-16s / torchdistributor, pairs: median %.3fx; after the anchor %s, before it %s" % (
+                name, statistics.median(ratios), " ".join("%.3f" % x for x in after) or "-",
+                " ".join("%.3f" % x for x in before) or "-"))
+        if name.startswith("runner_") and ratios and rounds.walls[name]:
+            wall = statistics.median(rounds.walls[name])
+            print("  %-16s issue 51 targets: <= %.2fx TorchDistributor (%.3fx: %s), <= %.1f s (%.2f s: %s)" % (
+                name, TARGET_TD_51, statistics.median(ratios), "PASS" if statistics.median(ratios) <= TARGET_TD_51
+                else "MISS", TARGET_WALL_51, wall, "PASS" if wall <= TARGET_WALL_51 else "MISS"))
+    s_ = rounds.settles
+    if s_:
+        waits = [x["waited"] for x in s_]
+        print("settle checks: %d, %d unsettled after %.0f s; wait median %.2f s, max %.2f s; TIME_WAIT sockets %d-%d; "
+              "JVM threads %s; machine busy at the start of a run, median %.0f%%" % (
+                  len(s_), sum(1 for x in s_ if not x["settled"]), SETTLE_MAX_S, statistics.median(waits),
+                  max(waits), min(x["time_wait"] for x in s_), max(x["time_wait"] for x in s_),
+                  "%s-%s" % (min(x["jvm_threads"] or 0 for x in s_), max(x["jvm_threads"] or 0 for x in s_)),
+                  100 * statistics.median(x["machine"] for x in s_)))
+        for x in s_:
+            if not x["settled"]:
+                print("  unsettled: tree busy %.2f cores, left %s" % (x["busy"], x["left"]))
+
 
 if __name__ == "__main__":
     try:

@@ -4,6 +4,7 @@ on local disk (``file://``) and on a real S3 server (``s3://``, ``moto_server`` 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -312,3 +313,36 @@ def test_a_writer_sigkilled_mid_upload_leaves_its_newest_committed_version_whole
         assert model.fs.size(model.path) == 32 << 20
     found = store.latest_checkpoint(prepare(artifact_root, 2), 2)
     assert (found.try_number, found.seq) == (1, committed[-1][0].seq)
+
+
+BIG = 2 * store.PART_BYTES + (1 << 20)  # a multipart upload on an object store (more than two parts)
+
+
+def test_a_large_file_goes_up_whole_and_is_listed_at_once(tmp_path, artifact_root):
+    """A file over two parts takes the multipart path (s3transfer on s3fs's own credentials, on
+    ``s3://``): it arrives byte for byte, and the store's listing sees it at once (the client's
+    listing cache is told)."""
+    folder = prepare(artifact_root, 1)
+    if artifact_root.startswith("s3://"):  # the connection's s3fs client resolves to a transfer-manager client
+        client, _ = store._transfer_client(folder.fs)
+        assert client is not None
+        client.close()
+    data = os.urandom(1 << 20) * (BIG >> 20)
+    version, local = local_version(tmp_path, 1, {"model.pt": data})
+    assert not (folder / "versions").exists()  # listed (and cached) before the upload
+    store.commit_version(folder, local, version, keep=1)
+    [(committed, path)] = store.versions(folder)
+    assert committed.seq == 1 and (path / "model.pt").read_bytes() == data
+
+
+def test_a_store_failing_during_a_large_file_leaves_no_object_and_no_version(tmp_path, failing_store):
+    try1 = prepare(failing_store.root, 1)
+    version, local = local_version(tmp_path, 1, {"model.pt": os.urandom(1 << 20) * (BIG >> 20)})
+    failing_store.fail_at(try1 / "versions" / "000001" / "model.pt")
+    with pytest.raises(ArtifactError, match=r"version 1 to %s/versions/000001 \(%s" % (
+            re.escape(str(try1)), failing_store.cause)):
+        store.commit_version(try1, local, version, keep=1)
+    failing_store.reopen()
+    assert store.versions(try1) == []
+    if failing_store.gate is not None:  # no half object: a multipart upload is an object only once completed
+        assert not (try1 / "versions" / "000001" / "model.pt").exists()

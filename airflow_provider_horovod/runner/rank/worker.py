@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -173,6 +174,9 @@ def _setup(rank: int):
         folder = task.rank_folder(rank)
         folder.mkdir(parents=True, exist_ok=True)
         os.environ["HOROVOD_TIMELINE"] = str(folder / names.TIMELINE_FILE)
+    if rank == 0:  # commit_checkpoint's code, loaded beside the training's start, not in its first call
+        threading.Thread(target=importlib.import_module, args=("airflow_provider_horovod.runner.task.shipper",),
+                         name="hvdrunner-preload", daemon=True).start()
     return slot, task, client, pump
 
 

@@ -232,3 +232,22 @@ def test_commit_checkpoint_of_an_empty_folder_warns_and_makes_no_version(tmp_pat
     with pytest.warns(UserWarning, match=r"commit_checkpoint\(step=3\): .* is empty.*write its files first"):
         runtime.commit_checkpoint(step=3)
     assert not (task.path / names.COMMITS_DIR).exists()
+
+
+def test_a_commit_not_yet_taken_is_replaced_by_the_next_and_its_snapshot_goes_without_the_caller(tmp_path,
+                                                                                                 monkeypatch):
+    """No shipper takes the snapshots: the second call's replaces the first's, whose files (the last
+    link of a model since replaced) a thread removes, not the call."""
+    task = names.TaskDir(tmp_path)
+    monkeypatch.setenv(names.ENV_TASK_DIR, str(task.path))
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    folder = runtime.checkpoint_dir()
+    write_renamed(folder, "model.pt", b"one" * 1000)
+    runtime.commit_checkpoint(step=1)
+    write_renamed(folder, "model.pt", b"two")  # the first snapshot now holds the only link of "one"
+    runtime.commit_checkpoint(step=2)
+    commits = task.path / names.COMMITS_DIR
+    pending = [p for p in commits.iterdir() if p.name.isdigit()]
+    assert len(pending) == 1 and (pending[0] / "model.pt").read_bytes() == b"two"
+    assert '"step": 2' in (pending[0] / "_COMMIT.json").read_text()
+    wait_for(lambda: sorted(p.name for p in commits.iterdir()) == [pending[0].name])  # the stale one is gone

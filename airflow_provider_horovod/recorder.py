@@ -142,12 +142,16 @@ class TryRecorder:
     @contextlib.contextmanager
     def staging(self) -> Iterator[str]:
         """The engine's artifact folder (``local``, yielded) and the recorder's scratch (metrics,
-        staged uploads), both removed when the try's store is done."""
+        staged uploads), both removed when the try's store is done. Left without ``record`` (the run
+        raised what the try does not store), the upload thread is told to end, without waiting: what
+        it held is in its ``not_stored``, and no thread uploads from a removed folder afterwards."""
         with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local, tempfile.TemporaryDirectory() as scratch:
             self.local, self._scratch = local, scratch
             try:
                 yield local
             finally:
+                if self._uploads is not None and not self._uploads.closed:
+                    self._uploads.close(0)
                 self.local = self._scratch = None
 
     def sinks(self, tracking: Any = None) -> tuple[store.VersionUploads, MetricsRecorder]:

@@ -230,6 +230,11 @@ class VersionUploads:
         self._thread.start()
 
     @property
+    def closed(self) -> bool:
+        with self._cond:
+            return self._closed
+
+    @property
     def uploading(self) -> int | None:
         """The seq of the version uploading now (``None``: none)."""
         with self._cond:

@@ -33,4 +33,5 @@ class RunSpec:
     resume_local: str | None = None  # np < 0: the folder itself, on the driver
     dataset: DatasetSpec | None = None  # dataset=: each task spills its partition for its rank
     attempt: int = 0  # which attempt of the run (runtime.attempt())
+    max_restarts: int = 0  # the run's max_restarts (torch's TORCHELASTIC_MAX_RESTARTS)
     preempt_grace_s: float = 10.0  # a task told to terminate (SIGTERM) lives this long at most (``termination``)

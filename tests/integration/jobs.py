@@ -397,6 +397,8 @@ def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horo
             time.sleep(600)  # the loss ends this attempt
         time.sleep(pause)
     result = {"start": start, "attempt": runtime.attempt(), "size": size}
+    if collective == "torch":  # torchrun's own count of the group's restarts, and its bound
+        result["torchelastic"] = [os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["TORCHELASTIC_MAX_RESTARTS"]]
     if with_dataset:  # the rows of this rank's shard of the run's dataset=, split for this attempt's size
         result["rows"] = runtime.dataset().num_rows
     return result

@@ -122,6 +122,19 @@ def test_a_version_the_store_did_not_take_is_logged_and_named_in_the_tries_marke
     assert "Checkpoint version 1 was not stored in %s" % try1.folder in caplog.text
 
 
+def test_a_try_left_by_an_exception_it_does_not_store_ends_its_upload_thread_without_waiting(tmp_path):
+    """``_train`` re-raises what the engine did not end as cancelled (a KeyboardInterrupt, a SystemExit):
+    ``record`` never runs, and the upload thread must not outlive the staging it uploads from."""
+    try1 = open_try(tmp_path / "root", 1, StateStore())
+    with pytest.raises(KeyboardInterrupt), try1.staging():
+        on_checkpoint, _ = try1.sinks()
+        on_checkpoint(*engine_version(tmp_path, 1, 10))
+        raise KeyboardInterrupt
+    uploads = try1._uploads
+    uploads._thread.join(10)
+    assert uploads.closed and not uploads._thread.is_alive()  # on main's code: alive, waiting forever
+
+
 @pytest.mark.parametrize("resume", ["never", ""])
 def test_a_try_that_may_not_resume_opens_without_a_source_even_with_a_recorded_checkpoint(tmp_path, resume):
     root, state = tmp_path / "root", StateStore()

@@ -236,6 +236,7 @@ class Attempt:
             has_resume=self.resume_from is not None,
             resume_local=str(self.resume_from) if (self.resume_from is not None and self.np < 0) else None,
             attempt=self.number,
+            max_restarts=self.options.restarts.max_restarts,
             preempt_grace_s=self.options.deadlines.preempt_grace_s,
         )
 

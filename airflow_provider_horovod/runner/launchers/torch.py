@@ -94,8 +94,13 @@ def missing_programs(path: str) -> tuple[str, ...]:
     return ()
 
 
-def slot_env(plan: Plan, slot: Slot, run_id: str, master: tuple[str, int], env: dict[str, str]) -> dict[str, str]:
-    """torchrun's environment for the rank of ``slot`` (``master``: rank 0's task address and port)."""
+def slot_env(plan: Plan, slot: Slot, run_id: str, master: tuple[str, int], env: dict[str, str], *,
+             attempt: int = 0, max_restarts: int = 0) -> dict[str, str]:
+    """torchrun's environment for the rank of ``slot`` (``master``: rank 0's task address and port).
+
+    ``TORCHELASTIC_RESTART_COUNT`` is the attempt's number: each restart inside the try (a lost
+    executor or host, ``max_restarts``) starts the whole group again, as torchrun's agent restarts its
+    workers, so a script that resumes when the count is above 0 resumes here too."""
     hosts = [name for name, _ in plan.hosts]
     if slot.gpus:  # one node per task: LOCAL_RANK indexes CUDA_VISIBLE_DEVICES, the task's own GPUs
         local_rank, local_size, group_rank, group_size = 0, 1, slot.rank, plan.size
@@ -115,8 +120,8 @@ def slot_env(plan: Plan, slot: Slot, run_id: str, master: tuple[str, int], env: 
         "ROLE_RANK": str(slot.rank),
         "ROLE_WORLD_SIZE": str(slot.size),
         "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         AGENT_STORE_ENV: "True",  # rank 0's before_main hosts it, as torchrun's agent would
         names.ENV_BEFORE_MAIN: "%s:before_main" % __name__,
     }
@@ -132,7 +137,8 @@ def start(spec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], 
     """This task's own rank; partition 0's rank hosts the store on the socket ``services`` listens on."""
     root = plan.slots[0]
     return run_rank_processes([plan.for_partition(partition)], env,
-                              lambda slot: {**slot_env(plan, slot, spec.run_id, (root.address, root.master_port), env),
+                              lambda slot: {**slot_env(plan, slot, spec.run_id, (root.address, root.master_port), env,
+                                                         attempt=spec.attempt, max_restarts=spec.max_restarts),
                                             **services.store_env(slot)},
                               pass_fds=services.pass_fds)
 
@@ -142,7 +148,8 @@ def start_local(spec, plan: Plan, task: TaskDir, env: dict[str, str]) -> Failure
     hold = PortHold(LOOPBACK)
     try:
         return run_rank_processes(list(plan.slots), env,
-                                  lambda slot: {**slot_env(plan, slot, spec.run_id, (LOOPBACK, hold.port), env),
+                                  lambda slot: {**slot_env(plan, slot, spec.run_id, (LOOPBACK, hold.port), env,
+                                                             attempt=spec.attempt, max_restarts=spec.max_restarts),
                                                 **hold.store_env(slot)},
                                   pass_fds=hold.pass_fds)
     finally:

@@ -91,6 +91,10 @@ def test_torch_env_is_torchruns_contract_on_the_plans_interface():
     # torchrun's agent hosts the store; here rank 0's process does, before the training function
     assert {e["TORCHELASTIC_USE_AGENT_STORE"] for e in envs} == {"True"}
     assert {e["HVDRUNNER_BEFORE_MAIN"] for e in envs} == {"airflow_provider_horovod.runner.launchers.torch:before_main"}
+    # attempt 0 of a run without restarts, as a first torchrun start; a restart counts as torchrun counts its own
+    assert {(e["TORCHELASTIC_RESTART_COUNT"], e["TORCHELASTIC_MAX_RESTARTS"]) for e in envs} == {("0", "0")}
+    again = torch_launcher.slot_env(plan, plan.slots[1], "run1", ("10.0.0.0", 29500), {}, attempt=2, max_restarts=3)
+    assert (again["TORCHELASTIC_RESTART_COUNT"], again["TORCHELASTIC_MAX_RESTARTS"]) == ("2", "3")
 
 
 def test_torch_ranks_given_gpus_are_nodes_of_one_so_local_rank_names_their_own_gpu():

@@ -49,15 +49,15 @@ class Group:
 
 
 GROUPS = [
-    Group("deployment", ("tests/integration/on_deployment/",), 320,
+    Group("deployment", ("tests/integration/on_deployment/",), 345,
           why="one package-scoped deployment (PostgreSQL, four Airflow services, a 4-worker cluster, Chromium)"),
-    Group("beds", ("tests/integration/test_hosts.py", "tests/integration/test_hosts_loopback_names.py"), 165,
+    Group("beds", ("tests/integration/test_hosts.py", "tests/integration/test_hosts_loopback_names.py"), 152,
           why="network namespaces, bridges, mounts: one multi-host bed at a time"),
-    Group("airflow-dags", ("tests/integration/test_airflow_dags.py",), 220),
+    Group("airflow-dags", ("tests/integration/test_airflow_dags.py",), 205),
     Group("runner", ("tests/integration/test_runner.py",), 175),
-    Group("cluster", ("tests/integration/test_cluster.py",), 165),
-    Group("lowest-versions", ("tests/integration/test_lowest_versions.py",), 150),
+    Group("cluster", ("tests/integration/test_cluster.py",), 145),
     Group("stall", ("tests/integration/test_stall.py",), 71),
+    Group("lowest-versions", ("tests/integration/test_lowest_versions.py",), 70),
     Group("artifacts", ("tests/integration/test_artifacts.py",), 59),
     Group("built-wheel", ("tests/integration/test_built_wheel.py",), 58),
     Group("parity", ("tests/integration/test_parity.py",), 40),

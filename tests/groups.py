@@ -29,6 +29,10 @@ What the groups share, and why that is safe side by side (audited for issue 52):
   deployment's PostgreSQL database belongs to the ``deployment`` group alone, the built wheel to
   ``test_built_wheel.py`` alone: no other group reaches either.
 
+After the run, the summary's ``schedule`` section (``tests/conftest.py``) gives each worker's groups, from
+their first to their last report, and the seconds between the two workers' ends (the tail), so an order
+or a split can be judged by measurement.
+
 Run one group alone: ``./scripts/test --group beds`` (the group's name, or a file's path for a file of
 its own); serially, as before: ``./scripts/test -n 0``.
 """

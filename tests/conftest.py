@@ -91,6 +91,39 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return None
 
 
+# The schedule as the xdist controller saw it (issue 52: does a worker idle at the end?): per worker,
+# each group's first and last report, in seconds from the session's start.
+_SESSION_STARTED = time.monotonic()
+_schedule: dict[str, dict[str, list[float]]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    node = getattr(report, "node", None)  # set by xdist on the controller: the worker that ran the test
+    if node is None:
+        return
+    now = time.monotonic() - _SESSION_STARTED
+    spans = _schedule.setdefault(node.gateway.id, {})
+    span = spans.setdefault(groups.group_of(report.nodeid).name, [now - report.duration, now])
+    span[1] = now
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """``scripts/test``'s last lines: when each worker ran its groups and when it ended (the tail)."""
+    if not _schedule:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("schedule (tests/groups.py; seconds from the session's start)")
+    ends = {}
+    for worker, spans in sorted(_schedule.items()):
+        ends[worker] = max(end for _start, end in spans.values())
+        heavy = ["%s %.0f-%.0f" % (name, start, end) for name, (start, end) in spans.items() if end - start >= 10]
+        small = sum(end - start for start, end in spans.values() if end - start < 10)
+        write("%s: %s; %d groups under 10 s (%.0f s); ended at %.0f s"
+              % (worker, ", ".join(heavy), sum(1 for s, e in spans.values() if e - s < 10), small, ends[worker]))
+    if len(ends) > 1:
+        write("tail: the last worker ended %.0f s after the first" % (max(ends.values()) - min(ends.values())))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def engine_runs_dir(tmp_path_factory) -> str:
     """Engine runs given no ``artifact_dir`` keep their folders under the session's temporary folder

@@ -29,6 +29,10 @@ What the groups share, and why that is safe side by side (audited for issue 52):
   deployment's PostgreSQL database belongs to the ``deployment`` group alone, the built wheel to
   ``test_built_wheel.py`` alone: no other group reaches either.
 
+After the run, the summary's ``schedule`` section (``tests/conftest.py``) gives each worker's groups, from
+their first to their last report, and the seconds between the two workers' ends (the tail), so an order
+or a split can be judged by measurement.
+
 Run one group alone: ``./scripts/test --group beds`` (the group's name, or a file's path for a file of
 its own); serially, as before: ``./scripts/test -n 0``.
 """
@@ -49,15 +53,15 @@ class Group:
 
 
 GROUPS = [
-    Group("deployment", ("tests/integration/on_deployment/",), 320,
+    Group("deployment", ("tests/integration/on_deployment/",), 345,
           why="one package-scoped deployment (PostgreSQL, four Airflow services, a 4-worker cluster, Chromium)"),
-    Group("beds", ("tests/integration/test_hosts.py", "tests/integration/test_hosts_loopback_names.py"), 165,
+    Group("beds", ("tests/integration/test_hosts.py", "tests/integration/test_hosts_loopback_names.py"), 152,
           why="network namespaces, bridges, mounts: one multi-host bed at a time"),
-    Group("airflow-dags", ("tests/integration/test_airflow_dags.py",), 220),
+    Group("airflow-dags", ("tests/integration/test_airflow_dags.py",), 205),
     Group("runner", ("tests/integration/test_runner.py",), 175),
-    Group("cluster", ("tests/integration/test_cluster.py",), 165),
-    Group("lowest-versions", ("tests/integration/test_lowest_versions.py",), 150),
+    Group("cluster", ("tests/integration/test_cluster.py",), 145),
     Group("stall", ("tests/integration/test_stall.py",), 71),
+    Group("lowest-versions", ("tests/integration/test_lowest_versions.py",), 70),
     Group("artifacts", ("tests/integration/test_artifacts.py",), 59),
     Group("built-wheel", ("tests/integration/test_built_wheel.py",), 58),
     Group("parity", ("tests/integration/test_parity.py",), 40),

@@ -75,6 +75,7 @@ class LauncherFacts:
     rank_modules: tuple[str, ...]  # what the ranks import besides this package (checked on driver and executors)
     extra: str | None  # the pip extra that installs what the ranks import (None: a Horovod build, environment.INSTALL_HINT)
     contract: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    warm_modules: tuple[str, ...] = ()  # what a task's warm process imports before it forks ranks (rank/warm.py)
     mark: str | None = None
     forwards_output: bool = False  # a rank's fd 1 is the launcher's pipe (orted): the rank forwards its lines there
     session_env: str | None = None  # names the folder the launcher's own daemons keep their session in (orted)
@@ -82,10 +83,15 @@ class LauncherFacts:
     no_timeline_hint: str | None = None  # runs no Horovod: where to profile instead (options, the Horovod view)
 
 
+# What every warm process imports (the worker's own modules), and then the training stack of Horovod's launchers
+WARM_WORKER = ("cloudpickle", "psutil", "airflow_provider_horovod.runner.client", "airflow_provider_horovod.runner.plan",
+               "airflow_provider_horovod.runner.messages", "airflow_provider_horovod.runtime")
+WARM_HOROVOD = (*WARM_WORKER, "torch", "horovod.torch")
+
 LAUNCHERS: dict[Launcher, LauncherFacts] = {
     Launcher.MPIRUN: LauncherFacts(
         name=Launcher.MPIRUN, module=__name__ + ".mpirun", runs_horovod=True, horovod_controller="MPI",
-        rank_modules=("cloudpickle", "horovod"), extra=None,
+        rank_modules=("cloudpickle", "horovod"), extra=None, warm_modules=WARM_HOROVOD,
         # Open MPI's names (set by orted), then PMIx's and PMI's, as any MPI launcher sets them
         contract={"rank": ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"), "size": ("OMPI_COMM_WORLD_SIZE",),
                   "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",), "local_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",)},
@@ -93,7 +99,7 @@ LAUNCHERS: dict[Launcher, LauncherFacts] = {
     ),
     Launcher.GLOO: LauncherFacts(
         name=Launcher.GLOO, module=__name__ + ".gloo", runs_horovod=True, horovod_controller="Gloo",
-        rank_modules=("cloudpickle", "horovod"), extra=None,
+        rank_modules=("cloudpickle", "horovod"), extra=None, warm_modules=WARM_HOROVOD,
         contract={"rank": ("HOROVOD_RANK",), "size": ("HOROVOD_SIZE",), "local_rank": ("HOROVOD_LOCAL_RANK",),
                   "local_size": ("HOROVOD_LOCAL_SIZE",), "cross_rank": ("HOROVOD_CROSS_RANK",),
                   "cross_size": ("HOROVOD_CROSS_SIZE",), "hostname": ("HOROVOD_HOSTNAME",)},
@@ -105,6 +111,7 @@ LAUNCHERS: dict[Launcher, LauncherFacts] = {
     Launcher.TORCH: LauncherFacts(
         name=Launcher.TORCH, module=__name__ + ".torch", runs_horovod=False, horovod_controller=None,
         rank_modules=("cloudpickle", "torch"), extra="torch",
+        warm_modules=(*WARM_WORKER, "torch", "torch.distributed"),
         contract={"rank": ("RANK",), "size": ("WORLD_SIZE",), "local_rank": ("LOCAL_RANK",),
                   "local_size": ("LOCAL_WORLD_SIZE",), "cross_rank": ("GROUP_RANK",),
                   "cross_size": ("GROUP_WORLD_SIZE",)},
@@ -152,6 +159,16 @@ def never_from_driver() -> tuple[str, ...]:
     """Contract names a driver's own environment must never pass to a rank, under any launcher."""
     return tuple(name for facts in LAUNCHERS.values() if facts.contract_never_from_driver
                  for names in facts.contract.values() for name in names)
+
+
+def warm_modules(launcher: Launcher | str, payload: bytes = b"") -> tuple[str, ...]:
+    """What a task's warm process imports for ``launcher``: the table's ``warm_modules``, less the
+    training stack when the payload names TensorFlow or Keras (a rank that trains with them never
+    imports torch, and its warm process must not either)."""
+    modules = facts_of(launcher).warm_modules
+    if b"tensorflow" in payload or b"keras" in payload:
+        return WARM_WORKER
+    return modules
 
 
 def no_timeline_hint(launcher: object) -> str | None:

@@ -76,6 +76,10 @@ class LauncherFacts:
     extra: str | None  # the pip extra that installs what the ranks import (None: a Horovod build, environment.INSTALL_HINT)
     contract: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     warm_modules: tuple[str, ...] = ()  # what a task's warm process imports before it forks ranks (rank/warm.py)
+    # names (``PREFIX*``: every name it starts) this launcher gives a rank that nothing reads while the
+    # warm modules import, only after the fork (its daemons', its library's init): they may differ
+    # between a rank and its warm process (its contract's names too)
+    after_fork_env: tuple[str, ...] = ()
     mark: str | None = None
     forwards_output: bool = False  # a rank's fd 1 is the launcher's pipe (orted): the rank forwards its lines there
     session_env: str | None = None  # names the folder the launcher's own daemons keep their session in (orted)
@@ -96,6 +100,9 @@ LAUNCHERS: dict[Launcher, LauncherFacts] = {
         contract={"rank": ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"), "size": ("OMPI_COMM_WORLD_SIZE",),
                   "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",), "local_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",)},
         mark="OMPI_COMM_WORLD_RANK", forwards_output=True, session_env="OMPI_MCA_orte_tmpdir_base",
+        # what orted sets for MPI_Init (PWD: its word for the working folder, which the warm process checks itself)
+        after_fork_env=("OMPI_*", "PMIX_*", "OPAL_*", "ORTE_*", "PMI_RANK", "PMI_SIZE", "IPATH_NO_BACKTRACE",
+                        "HFI_NO_BACKTRACE", "PWD"),
     ),
     Launcher.GLOO: LauncherFacts(
         name=Launcher.GLOO, module=__name__ + ".gloo", runs_horovod=True, horovod_controller="Gloo",
@@ -116,6 +123,7 @@ LAUNCHERS: dict[Launcher, LauncherFacts] = {
                   "local_size": ("LOCAL_WORLD_SIZE",), "cross_rank": ("GROUP_RANK",),
                   "cross_size": ("GROUP_WORLD_SIZE",)},
         mark="TORCHELASTIC_RUN_ID",
+        after_fork_env=("MASTER_ADDR", "MASTER_PORT", "ROLE_*", "TORCHELASTIC_*"),  # read by init_process_group
         no_timeline_hint="profile with torch.profiler inside the training function (save its trace under "
                          "runtime.checkpoint_dir() to get it back)",
     ),
@@ -159,6 +167,24 @@ def never_from_driver() -> tuple[str, ...]:
     """Contract names a driver's own environment must never pass to a rank, under any launcher."""
     return tuple(name for facts in LAUNCHERS.values() if facts.contract_never_from_driver
                  for names in facts.contract.values() for name in names)
+
+
+def after_fork_env() -> tuple[frozenset[str], tuple[str, ...]]:
+    """Every launcher's names a rank may hold with another value than its warm process: exact names,
+    and prefixes (``after_fork_env`` and every contract name)."""
+    words = [w for facts in LAUNCHERS.values() for w in (*facts.after_fork_env, *(n for ns in facts.contract.values() for n in ns))]
+    return frozenset(w for w in words if not w.endswith("*")), tuple(w[:-1] for w in words if w.endswith("*"))
+
+
+def read_after_fork(name: str) -> bool:
+    """Whether the environment name ``name`` may differ between a rank and the warm process that forks
+    it: nothing reads it while the warm modules import (``rank/warm.py``). The provider's own
+    (``HVDRUNNER_*``), Horovod's (``hvd.init()``), the collectives' and CUDA's (their init), and every
+    launcher's ``after_fork_env`` and contract. ``OMP_NUM_THREADS`` is *not* one: torch fixes its
+    thread count when it is imported (measured: a child forked after ``import torch`` keeps the
+    parent's count)."""
+    exact, prefixes = after_fork_env()
+    return name in exact or name == "CUDA_VISIBLE_DEVICES" or name.startswith(("HVDRUNNER_", "HOROVOD_", "GLOO_", "NCCL_", *prefixes))
 
 
 def warm_modules(launcher: Launcher | str, payload: bytes = b"") -> tuple[str, ...]:

@@ -67,7 +67,7 @@ _kept: dict[str, Warm] = {}  # this process's warm process, kept for its next ta
 
 
 def warm_key(env: dict[str, str], modules: tuple[str, ...]) -> tuple:
-    from airflow_provider_horovod.runner.rank.warm import read_after_fork
+    from airflow_provider_horovod.runner.launchers import read_after_fork
 
     return (sys.executable, os.getcwd(), modules,
             tuple(sorted((k, v) for k, v in env.items() if not read_after_fork(k))))

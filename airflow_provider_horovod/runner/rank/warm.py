@@ -16,7 +16,7 @@ ends. Whatever this process cannot vouch for gets the answer ``cold`` and the st
 itself (a fresh interpreter, as before):
 
 - an environment that differs from this process's own in a name that may be read while the warm
-  modules import (``READ_AFTER_FORK`` lists the only names allowed to differ: each is read by the
+  modules import (``launchers.read_after_fork`` says which names may differ: each is read by the
   worker, ``hvd.init()``/``MPI_Init``, torch.distributed's init or CUDA's first call, all after the
   fork), another interpreter or another working folder;
 - CUDA initialised here (never: nothing here calls it, checked before every fork), or a warm import
@@ -45,30 +45,13 @@ import time
 import traceback
 
 from airflow_provider_horovod.runner import names
+from airflow_provider_horovod.runner.launchers import read_after_fork
 
-__all__ = ["READ_AFTER_FORK", "differing_names", "main"]
+__all__ = ["differing_names", "main"]
 
-# Names a rank's environment may hold with another value than the warm process's (or hold, or lack):
-# none is read while ``torch``, ``horovod.torch`` or this package imports; each is read after the
-# fork, by the worker (``HVDRUNNER_*``), Horovod's ``hvd.init()`` (``HOROVOD_*``), Open MPI's and
-# PMIx's ``MPI_Init`` (``OMPI_*``, ``PMIX_*``, ``OPAL_*``, ``ORTE_*``), torch.distributed's init
-# (torchrun's contract, ``GLOO_*``/``NCCL_*``) or CUDA's first call (``CUDA_VISIBLE_DEVICES``).
-# ``OMP_NUM_THREADS`` is *not* one: torch fixes its thread count when it is imported (measured).
-READ_AFTER_FORK_PREFIXES = ("HVDRUNNER_", "HOROVOD_", "OMPI_", "PMIX_", "OPAL_", "ORTE_", "TORCHELASTIC_",
-                            "GLOO_", "NCCL_")
-READ_AFTER_FORK = frozenset({
-    "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE",
-    "PMI_RANK", "PMI_SIZE", "IPATH_NO_BACKTRACE", "HFI_NO_BACKTRACE",  # what orted adds for the MPI library
-    "PWD",  # orted's word for the working folder, which must be this process's own (checked) and no import reads
-})
 MAX_REQUEST = 1 << 20
 WORKER_MODULE = "airflow_provider_horovod.runner.rank.worker"  # what every child runs, as ``python -m`` would
 STOP_SIGNAL = signal.SIGKILL  # a child whose stub is gone: nothing of it may outlive the stub
-
-
-def read_after_fork(name: str) -> bool:
-    return name in READ_AFTER_FORK or name.startswith(READ_AFTER_FORK_PREFIXES)
 
 
 def differing_names(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:

@@ -2,7 +2,7 @@
 one table of what the rest of the engine may know of a launcher (``LAUNCHERS``).
 
 ``mpirun`` (``mpirun.py``, with its rsh agent ``mpirun_rsh.py``), ``gloo`` (``gloo.py``, Horovod's
-rendezvous) and ``torch`` (``torch.py``, torchrun's environment contract) each define the same five
+rendezvous) and ``torch`` (``torch.py``, torchrun's environment contract) each define the same six
 functions; the task side (``barrier.py``) and the driver's local ranks call them through
 ``launcher_of`` and never ask which launcher runs:
 
@@ -10,12 +10,15 @@ functions; the task side (``barrier.py``) and the driver's local ranks call them
   the others before any rank starts (its ports go into the task's facts);
 - ``host_env(spec) -> dict``: what every process this host starts gets under this launcher;
 - ``missing_programs(path) -> tuple``: programs the launcher needs that ``path`` lacks;
+- ``warm_env(spec, env, local_size) -> dict``: what the launcher will give a rank of a host with
+  ``local_size`` ranks that the training stack reads when it imports (the task's warm process is
+  started with it, before the plan: ``rank/warm.py``);
 - ``start(spec, plan, partition, task, env, services, client) -> Failure | None``: this task's part
   of the run, to its end (its own rank, or ``mpirun`` for every host);
 - ``start_local(spec, plan, task, env) -> Failure | None``: ``np < 0``, every rank on the driver.
 
-What the launchers share on a host (``WORKER``, ``run_rank_processes``, ``run_reaped``,
-``hand_over_key``) is ``processes.py``; a launcher imports nothing of the task side or the driver.
+What the launchers share on a host (``WORKER`` and ``rank_command``, the warm process's
+``start_warm``, ``run_rank_processes``, ``run_reaped``, ``hand_over_key``) is ``processes.py``; a launcher imports nothing of the task side or the driver.
 
 Everything else asks this table (``LAUNCHERS``, one ``LauncherFacts`` per launcher): whether it runs
 Horovod (and so whether ``hvd.init()`` is allowed, a timeline exists, Horovod is checked on the

@@ -118,7 +118,6 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 class Server:
     def __init__(self, path: str, owner: int, module: str, refusal: str | None) -> None:
         self.path = path
-        self.folder = os.path.dirname(path)
         self.owner = owner
         self.module = module
         self.refusal = refusal

@@ -90,8 +90,9 @@ def _end_as(status: int) -> None:
     """End this process as the rank ended: its code, or its signal (default action, on itself)."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # whose disposition cannot be set (EINVAL)
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)  # a signal that does not end a process by default
     os._exit(os.waitstatus_to_exitcode(status))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import shutil
 import socket
 import subprocess
 import sys
@@ -61,9 +62,12 @@ class Warm:
             procs.kill_tree(self.proc, grace_s=WARM_STOP_GRACE_S)
         with contextlib.suppress(OSError):
             os.unlink(self.socket_path)
+        if self.kept:  # its own folder (socket, log); otherwise the task's, which the task removes
+            shutil.rmtree(os.path.dirname(self.socket_path), ignore_errors=True)
 
 
-_kept: dict[str, Warm] = {}  # this process's warm process, kept for its next task (a Spark Python worker is reused)
+_kept: dict[tuple, Warm] = {}  # this process's warm processes by key, kept for its next tasks (a Spark Python worker is reused)
+KEPT_WARM = 2  # at most: one per training stack (Horovod's, torch's); each holds its imports' memory
 
 
 def warm_key(env: dict[str, str], modules: tuple[str, ...]) -> tuple:
@@ -87,13 +91,16 @@ def start_warm(task: TaskDir, env: dict[str, str], modules: tuple[str, ...], *, 
     if not warm(env):
         return None
     key = warm_key(env, modules)
-    kept = _kept.get("warm")
+    kept = _kept.get(key)
     if keep and kept is not None and kept.serves(key):
         with contextlib.suppress(OSError):
             os.symlink(kept.socket_path, task.warm_socket)
             return kept
-    if kept is not None and keep:
-        _kept.pop("warm").stop()
+    if keep:
+        if kept is not None:
+            _kept.pop(key).stop()
+        while len(_kept) >= KEPT_WARM:  # the oldest goes (a worker that alternates two stacks keeps both)
+            _kept.pop(next(iter(_kept))).stop()
     folder = names.new_temp_dir(names.WARM_DIR_PREFIX % os.getpid()) if keep else task.path
     path = os.path.join(folder, names.WARM_SOCKET)
     # bound and listening before any rank can look for it: a stub that comes while the modules import
@@ -117,7 +124,7 @@ def start_warm(task: TaskDir, env: dict[str, str], modules: tuple[str, ...], *, 
         listener.close()
     started = Warm(key, proc, path, keep)
     if keep:
-        _kept["warm"] = started
+        _kept[key] = started
         with contextlib.suppress(OSError):
             os.symlink(path, task.warm_socket)
     return started

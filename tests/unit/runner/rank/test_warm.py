@@ -34,3 +34,31 @@ def test_the_training_stack_is_imported_for_the_launcher_but_never_beside_tensor
     assert "horovod.torch" in warm_modules("mpirun") and "horovod.torch" in warm_modules("gloo")
     assert "torch" in warm_modules("torch") and "horovod.torch" not in warm_modules("torch")
     assert "torch" not in warm_modules("gloo", b"...tensorflow.keras...")
+
+
+def test_a_python_worker_keeps_one_warm_process_per_key_and_at_most_two(tmp_path, monkeypatch):
+    """``start_warm`` as a barrier task calls it: real warm processes (importing nothing here)."""
+    import os
+
+    from airflow_provider_horovod.runner.launchers import processes
+    from airflow_provider_horovod.runner.names import TaskDir
+
+    monkeypatch.setattr(processes, "_kept", {})
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "PYTHONPATH")}
+
+    def task(name: str) -> TaskDir:
+        (tmp_path / name).mkdir(mode=0o700)
+        return TaskDir(tmp_path / name)
+
+    try:
+        a = processes.start_warm(task("a"), env, ())
+        again = processes.start_warm(task("b"), {**env, "HVDRUNNER_PLAN": "/elsewhere"}, ())
+        assert again is a and (tmp_path / "b" / "warm.sock").resolve() == (tmp_path / "a" / "warm.sock").resolve()
+        other = processes.start_warm(task("c"), {**env, "OMP_NUM_THREADS": "3"}, ())
+        assert other is not a and a.proc.poll() is None  # both stacks kept
+        third = processes.start_warm(task("d"), {**env, "OMP_NUM_THREADS": "4"}, ())
+        assert a.proc.wait(5) is not None and other.proc.poll() is None and third.proc.poll() is None  # the oldest went
+        assert oct((tmp_path / "d" / "warm.sock").resolve().stat().st_mode & 0o777) == "0o600"
+    finally:
+        for kept in list(processes._kept.values()):
+            kept.stop()

@@ -218,7 +218,8 @@ class Server:
         pid, pidfd = self.children.pop(conn)
         _, status = os.waitpid(pid, 0)
         self.sel.unregister(pidfd)
-        self.sel.unregister(conn)
+        with contextlib.suppress(KeyError):  # unregistered already when its stub went first
+            self.sel.unregister(conn)
         os.close(pidfd)
         with contextlib.suppress(OSError):
             conn.sendall(b"exit %d\n" % status)
@@ -227,6 +228,7 @@ class Server:
     def stub_gone(self, conn: socket.socket) -> None:
         pid, _pidfd = self.children[conn]
         _say("the stub of pid %d went away: killing its tree" % pid)
+        self.sel.unregister(conn)  # its hang-up stays readable: the child's pidfd says when it is gone
         self.kill_tree(pid)
 
     @staticmethod

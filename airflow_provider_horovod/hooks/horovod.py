@@ -110,6 +110,10 @@ def _without_password(root: str) -> str:
     return root.replace(":%s@" % parts.password, ":***@", 1)
 
 
+PYTHON_KILL_TIMEOUT = "spark.python.task.killTimeout"
+PYTHON_KILL_TIMEOUT_S = "500ms"  # the sessions this hook builds (a connection's conf may set its own)
+
+
 class SparkConnectionError(ValueError):
     """An Airflow Spark connection cannot give a SparkSession for Horovod; the message says how to fix it."""
 
@@ -282,8 +286,11 @@ class HorovodRunnerHook(BaseHook):
         target = self.resolve_target()
         builder = SparkSession.builder.appName(self.app_name)
         active = None
-        # Spark's console progress bar only garbles the task log; the connection's conf can turn it on
-        conf = {"spark.ui.showConsoleProgress": "false", **target.conf}
+        # Spark's console progress bar only garbles the task log; the connection's conf can turn it on.
+        # A killed task's Python worker ends after spark.python.task.killTimeout (2 s by default): a
+        # restart waits that long for the old stage's slots, though a barrier task's ranks need no
+        # grace from Spark (its janitor and warm process end them with the worker).
+        conf = {"spark.ui.showConsoleProgress": "false", PYTHON_KILL_TIMEOUT: PYTHON_KILL_TIMEOUT_S, **target.conf}
         if not target.remote:  # a local master's executors run the driver's interpreter, unless told otherwise
             conf.update(python_conf(target.master, conf))
         for key, value in conf.items():

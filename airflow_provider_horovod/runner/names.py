@@ -31,6 +31,7 @@ ENV_TASK_DIR = "HVDRUNNER_TASK_DIR"  # the rank's task folder (runtime.checkpoin
 ENV_EXEC_SERVICES = "HVDRUNNER_EXEC_SERVICES"  # mpirun's rsh agent: {host: "addr:port"}
 ENV_ARTIFACT_TRANSPORT = "HVDRUNNER_ARTIFACT_TRANSPORT"  # driver: "stream" turns the same-host copy off
 ENV_BEFORE_MAIN = "HVDRUNNER_BEFORE_MAIN"  # "module:function" a launcher has its ranks call before the training function
+ENV_WARM = "HVDRUNNER_WARM"  # "0" in env=: every rank starts cold, a fresh interpreter (rank/warm.py)
 # The rank's place in the plan under every launcher (``plan.rank_env``): what rank-side code reads.
 # A launcher's own contract is set by its module (``slot_env``; MPI's under mpirun) and its names are
 # in the launchers' table: ``HOROVOD_RANK`` & co only under Gloo, as ``horovodrun`` does.
@@ -103,6 +104,9 @@ ERROR_FILE = "rank-%d.error.json"
 RANK_LOG = "rank-%d.log"
 MPIRUN_LOG = "mpirun.log"
 ORTED_LOG = "orted.log"
+WARM_SOCKET = "warm.sock"  # the task's warm process listens here (0600, in the 0700 folder; rank/warm.py)
+WARM_LOG = "warm.log"  # the warm process's own words
+RANK_PID = "rank-%d.pid"  # the pid of a rank forked by the warm process (task/rank_states.py)
 AGENT_LOG = "rsh.log"  # the agent's own words (Open MPI sends its output to /dev/null)
 # Keys are handed over in 0600 files in the task's 0700 folder, never through the environment:
 RANK_KEY = "rank-%d.key"  # a rank's channel key; the rank removes it once read
@@ -122,7 +126,8 @@ PREEMPTING_FILE = "preempting"  # the task's preemption notice to its ranks (tas
 # whose owner died without cleaning up (a Python worker killed with its executor, SIGKILL).
 TASK_DIR_PREFIX = "hvdrunner-%s-%s-%d-"  # run id ("<run>-<n>" after a restart), "p<partition>" or "local", owner pid
 SESSION_DIR_PREFIX = "hvdo-%d-"  # an orted's Open MPI session directory; owner pid (kept short)
-_OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+(?:-\d+)?-(?:p\d+|local)|hvdo)-(\d+)-")
+WARM_DIR_PREFIX = "hvdwarm-%d-"  # a Spark Python worker's warm process (its socket, its log); owner pid
+_OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+(?:-\d+)?-(?:p\d+|local)|hvdo|hvdwarm)-(\d+)-")
 
 
 def new_temp_dir(prefix: str) -> Path:
@@ -188,6 +193,12 @@ class TaskDir:
 
     def rank_log(self, rank: int) -> Path:
         return self.path / (RANK_LOG % rank)
+
+    def rank_pid(self, rank: int) -> Path:
+        return self.path / (RANK_PID % rank)
+
+    warm_socket = property(lambda self: self.path / WARM_SOCKET)
+    warm_log = property(lambda self: self.path / WARM_LOG)
 
     def rank_folder(self, rank: int) -> Path:
         """Rank 0's artifact folder (it comes back), every other rank's scratch folder."""

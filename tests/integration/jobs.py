@@ -344,6 +344,17 @@ def uneven_batches_job(batches: int = 6, short_by: int = 2):
     return {"start": start}
 
 
+def task_pid() -> int:
+    """The pid of this rank's barrier task (its Spark Python worker), as the plan names it: a rank forked
+    by a warm process (rank/warm.py) is that process's child, not its task's."""
+    from airflow_provider_horovod import runtime
+    from airflow_provider_horovod.runner.names import ENV_PLAN
+    from airflow_provider_horovod.runner.plan import Plan
+
+    with open(os.environ[ENV_PLAN]) as f:
+        return Plan.from_json(f.read()).slots[runtime.rank()].task_pid
+
+
 def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horovod", loss: str = "",
                     losses: int = 1, marker: str = "", victim: int | list[int] = 1, with_dataset: bool = False):
     """Rank 0 commits ``step.txt`` each step with ``runtime.commit_checkpoint``; resumes after the step
@@ -388,7 +399,7 @@ def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horo
         if doomed and step >= start + 3:
             time.sleep(0.5)  # the version of this step reaches the driver first
             if rank == victim and loss == "task":
-                os.kill(os.getppid(), signal.SIGKILL)  # gloo, torch: the rank's parent is its task
+                os.kill(task_pid(), signal.SIGKILL)  # gloo, torch: the rank's task runs on the rank's executor
             if rank == victim and loss == "jvm":
                 java = next(p for p in psutil.Process().parents() if p.name() == "java")
                 with open(marker + ".tmp", "w") as f:
@@ -431,7 +442,7 @@ def preemptible_job(steps: int = 12, pause: float = 0.3, marker: str = "", with_
                 runtime.commit_checkpoint(step=step)
             time.sleep(600)  # the loss ends this attempt
         if runtime.attempt() == 0 and step == 3 and hvd.rank() == 1 and notice == "sigterm":
-            os.kill(os.getppid(), signal.SIGTERM)
+            os.kill(task_pid(), signal.SIGTERM)
         elif runtime.attempt() == 0 and step == 3 and hvd.rank() == 1:
             java = next(p for p in psutil.Process().parents() if p.name() == "java")
             with open(marker + ".tmp", "w") as f:

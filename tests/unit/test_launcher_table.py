@@ -26,7 +26,7 @@ from airflow_provider_horovod.runner.launchers import LAUNCHERS, Launcher
 
 PACKAGE = Path(airflow_provider_horovod.__file__).parent
 LAUNCHERS_DIR = Path(launchers.__file__).parent
-INTERFACE = ("serve", "host_env", "missing_programs", "start", "start_local")
+INTERFACE = ("serve", "host_env", "warm_env", "missing_programs", "start", "start_local")
 WORDS = {str(launcher) for launcher in Launcher}
 MEMBERS = {launcher.name for launcher in Launcher}
 PREFIXES = ("OMPI_", "PMIX_", "PMI_", "ORTE_", "TORCHELASTIC_")  # MPI's and torchrun's own environment

@@ -2,7 +2,7 @@
 one table of what the rest of the engine may know of a launcher (``LAUNCHERS``).
 
 ``mpirun`` (``mpirun.py``, with its rsh agent ``mpirun_rsh.py``), ``gloo`` (``gloo.py``, Horovod's
-rendezvous) and ``torch`` (``torch.py``, torchrun's environment contract) each define the same five
+rendezvous) and ``torch`` (``torch.py``, torchrun's environment contract) each define the same six
 functions; the task side (``barrier.py``) and the driver's local ranks call them through
 ``launcher_of`` and never ask which launcher runs:
 
@@ -10,12 +10,15 @@ functions; the task side (``barrier.py``) and the driver's local ranks call them
   the others before any rank starts (its ports go into the task's facts);
 - ``host_env(spec) -> dict``: what every process this host starts gets under this launcher;
 - ``missing_programs(path) -> tuple``: programs the launcher needs that ``path`` lacks;
+- ``warm_env(spec, env, local_size) -> dict``: what the launcher will give a rank of a host with
+  ``local_size`` ranks that the training stack reads when it imports (the task's warm process is
+  started with it, before the plan: ``rank/warm.py``);
 - ``start(spec, plan, partition, task, env, services, client) -> Failure | None``: this task's part
   of the run, to its end (its own rank, or ``mpirun`` for every host);
 - ``start_local(spec, plan, task, env) -> Failure | None``: ``np < 0``, every rank on the driver.
 
-What the launchers share on a host (``WORKER``, ``run_rank_processes``, ``run_reaped``,
-``hand_over_key``) is ``processes.py``; a launcher imports nothing of the task side or the driver.
+What the launchers share on a host (``WORKER`` and ``rank_command``, the warm process's
+``start_warm``, ``run_rank_processes``, ``run_reaped``, ``hand_over_key``) is ``processes.py``; a launcher imports nothing of the task side or the driver.
 
 Everything else asks this table (``LAUNCHERS``, one ``LauncherFacts`` per launcher): whether it runs
 Horovod (and so whether ``hvd.init()`` is allowed, a timeline exists, Horovod is checked on the
@@ -75,6 +78,11 @@ class LauncherFacts:
     rank_modules: tuple[str, ...]  # what the ranks import besides this package (checked on driver and executors)
     extra: str | None  # the pip extra that installs what the ranks import (None: a Horovod build, environment.INSTALL_HINT)
     contract: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    warm_modules: tuple[str, ...] = ()  # what a task's warm process imports before it forks ranks (rank/warm.py)
+    # names (``PREFIX*``: every name it starts) this launcher gives a rank that nothing reads while the
+    # warm modules import, only after the fork (its daemons', its library's init): they may differ
+    # between a rank and its warm process (its contract's names too)
+    after_fork_env: tuple[str, ...] = ()
     mark: str | None = None
     forwards_output: bool = False  # a rank's fd 1 is the launcher's pipe (orted): the rank forwards its lines there
     session_env: str | None = None  # names the folder the launcher's own daemons keep their session in (orted)
@@ -82,18 +90,26 @@ class LauncherFacts:
     no_timeline_hint: str | None = None  # runs no Horovod: where to profile instead (options, the Horovod view)
 
 
+# What every warm process imports (the worker's own modules), and then the training stack of Horovod's launchers
+WARM_WORKER = ("cloudpickle", "psutil", "airflow_provider_horovod.runner.client", "airflow_provider_horovod.runner.plan",
+               "airflow_provider_horovod.runner.messages", "airflow_provider_horovod.runtime")
+WARM_HOROVOD = (*WARM_WORKER, "torch", "horovod.torch")
+
 LAUNCHERS: dict[Launcher, LauncherFacts] = {
     Launcher.MPIRUN: LauncherFacts(
         name=Launcher.MPIRUN, module=__name__ + ".mpirun", runs_horovod=True, horovod_controller="MPI",
-        rank_modules=("cloudpickle", "horovod"), extra=None,
+        rank_modules=("cloudpickle", "horovod"), extra=None, warm_modules=WARM_HOROVOD,
         # Open MPI's names (set by orted), then PMIx's and PMI's, as any MPI launcher sets them
         contract={"rank": ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"), "size": ("OMPI_COMM_WORLD_SIZE",),
                   "local_rank": ("OMPI_COMM_WORLD_LOCAL_RANK",), "local_size": ("OMPI_COMM_WORLD_LOCAL_SIZE",)},
         mark="OMPI_COMM_WORLD_RANK", forwards_output=True, session_env="OMPI_MCA_orte_tmpdir_base",
+        # what orted sets for MPI_Init (PWD: its word for the working folder, which the warm process checks itself)
+        after_fork_env=("OMPI_*", "PMIX_*", "OPAL_*", "ORTE_*", "PMI_RANK", "PMI_SIZE", "IPATH_NO_BACKTRACE",
+                        "HFI_NO_BACKTRACE", "PWD"),
     ),
     Launcher.GLOO: LauncherFacts(
         name=Launcher.GLOO, module=__name__ + ".gloo", runs_horovod=True, horovod_controller="Gloo",
-        rank_modules=("cloudpickle", "horovod"), extra=None,
+        rank_modules=("cloudpickle", "horovod"), extra=None, warm_modules=WARM_HOROVOD,
         contract={"rank": ("HOROVOD_RANK",), "size": ("HOROVOD_SIZE",), "local_rank": ("HOROVOD_LOCAL_RANK",),
                   "local_size": ("HOROVOD_LOCAL_SIZE",), "cross_rank": ("HOROVOD_CROSS_RANK",),
                   "cross_size": ("HOROVOD_CROSS_SIZE",), "hostname": ("HOROVOD_HOSTNAME",)},
@@ -105,10 +121,12 @@ LAUNCHERS: dict[Launcher, LauncherFacts] = {
     Launcher.TORCH: LauncherFacts(
         name=Launcher.TORCH, module=__name__ + ".torch", runs_horovod=False, horovod_controller=None,
         rank_modules=("cloudpickle", "torch"), extra="torch",
+        warm_modules=(*WARM_WORKER, "torch", "torch.distributed"),
         contract={"rank": ("RANK",), "size": ("WORLD_SIZE",), "local_rank": ("LOCAL_RANK",),
                   "local_size": ("LOCAL_WORLD_SIZE",), "cross_rank": ("GROUP_RANK",),
                   "cross_size": ("GROUP_WORLD_SIZE",)},
         mark="TORCHELASTIC_RUN_ID",
+        after_fork_env=("MASTER_ADDR", "MASTER_PORT", "ROLE_*", "TORCHELASTIC_*"),  # read by init_process_group
         no_timeline_hint="profile with torch.profiler inside the training function (save its trace under "
                          "runtime.checkpoint_dir() to get it back)",
     ),
@@ -152,6 +170,34 @@ def never_from_driver() -> tuple[str, ...]:
     """Contract names a driver's own environment must never pass to a rank, under any launcher."""
     return tuple(name for facts in LAUNCHERS.values() if facts.contract_never_from_driver
                  for names in facts.contract.values() for name in names)
+
+
+def after_fork_env() -> tuple[frozenset[str], tuple[str, ...]]:
+    """Every launcher's names a rank may hold with another value than its warm process: exact names,
+    and prefixes (``after_fork_env`` and every contract name)."""
+    words = [w for facts in LAUNCHERS.values() for w in (*facts.after_fork_env, *(n for ns in facts.contract.values() for n in ns))]
+    return frozenset(w for w in words if not w.endswith("*")), tuple(w[:-1] for w in words if w.endswith("*"))
+
+
+def read_after_fork(name: str) -> bool:
+    """Whether the environment name ``name`` may differ between a rank and the warm process that forks
+    it: nothing reads it while the warm modules import (``rank/warm.py``). The provider's own
+    (``HVDRUNNER_*``), Horovod's (``hvd.init()``), the collectives' and CUDA's (their init), and every
+    launcher's ``after_fork_env`` and contract. ``OMP_NUM_THREADS`` is *not* one: torch fixes its
+    thread count when it is imported (measured: a child forked after ``import torch`` keeps the
+    parent's count)."""
+    exact, prefixes = after_fork_env()
+    return name in exact or name == "CUDA_VISIBLE_DEVICES" or name.startswith(("HVDRUNNER_", "HOROVOD_", "GLOO_", "NCCL_", *prefixes))
+
+
+def warm_modules(launcher: Launcher | str, payload: bytes = b"") -> tuple[str, ...]:
+    """What a task's warm process imports for ``launcher``: the table's ``warm_modules``, less the
+    training stack when the payload names TensorFlow or Keras (a rank that trains with them never
+    imports torch, and its warm process must not either)."""
+    modules = facts_of(launcher).warm_modules
+    if b"tensorflow" in payload or b"keras" in payload:
+        return WARM_WORKER
+    return modules
 
 
 def no_timeline_hint(launcher: object) -> str | None:

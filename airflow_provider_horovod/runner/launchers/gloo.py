@@ -135,6 +135,10 @@ def host_env(spec) -> dict[str, str]:
     return stall_env(spec.stall_timeout_s)
 
 
+def warm_env(spec, env: dict[str, str], local_size: int) -> dict[str, str]:
+    return {}
+
+
 def missing_programs(path: str) -> tuple[str, ...]:
     return ()
 

@@ -33,7 +33,7 @@ from airflow_provider_horovod.runner import messages, names, procs, wire
 from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.exits import exit_text, read_error_file, tail, who
 from airflow_provider_horovod.runner.launchers import Services
-from airflow_provider_horovod.runner.launchers.processes import WORKER, hand_over_key, run_reaped
+from airflow_provider_horovod.runner.launchers.processes import WORKER, hand_over_key, rank_command, run_reaped
 from airflow_provider_horovod.runner.messages import LaunchOrted, OrtedExited, OrtedStarted
 from airflow_provider_horovod.runner.names import SESSION_DIR_PREFIX, TaskDir, new_temp_dir
 from airflow_provider_horovod.runner.plan import Plan
@@ -302,7 +302,8 @@ def agent_command() -> str:
     return "%s -m airflow_provider_horovod.runner.launchers.mpirun_rsh" % sys.executable
 
 
-def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[str], np: int = 0) -> list[str]:
+def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[str], np: int = 0,
+                command: list[str] = WORKER) -> list[str]:
     """The ``mpirun`` command for ``plan`` (or for ``np`` local processes when ``plan`` is None).
 
     Open MPI's TCP traffic (``btl_tcp``: the ranks' messages; ``oob_tcp``: mpirun <-> orted) is
@@ -323,7 +324,7 @@ def mpirun_argv(plan: Plan | None, *, agent: str | None = None, networks: list[s
         argv += ["-mca", "btl_tcp_if_include", include, "-mca", "oob_tcp_if_include", include]
     if plan is not None and plan.slots[0].hnp_ports:  # the ports the orteds' HNP must be at (check_orted)
         argv += ["-mca", HNP_PORT_OPTION, ",".join(map(str, plan.slots[0].hnp_ports))]
-    return argv + WORKER
+    return argv + command
 
 
 
@@ -385,6 +386,10 @@ def host_env(spec) -> dict[str, str]:
     return {"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi", **stall_env(spec.stall_timeout_s)}
 
 
+def warm_env(spec, env: dict[str, str], local_size: int) -> dict[str, str]:
+    return {}
+
+
 def missing_programs(path: str) -> tuple[str, ...]:
     return tuple(p for p in OPEN_MPI_PROGRAMS if shutil.which(p, path=path) is None)
 
@@ -400,14 +405,14 @@ def start(spec, plan: Plan, partition: int, task: TaskDir, env: dict[str, str], 
     hand_over_key(task.exec_key, wire.role_key(spec.secret, wire.ROLE_EXEC))
     services.release_hnp_ports()
     try:
-        return run_mpirun(plan, mpirun_argv(plan, networks=plan.networks), env, task)
+        return run_mpirun(plan, mpirun_argv(plan, networks=plan.networks, command=rank_command(env)), env, task)
     finally:
         with contextlib.suppress(OSError):
             task.exec_key.unlink()
 
 
 def start_local(spec, plan: Plan, task: TaskDir, env: dict[str, str]) -> Failure | None:
-    return run_mpirun(plan, mpirun_argv(None, np=plan.size, networks=plan.networks), env, task)
+    return run_mpirun(plan, mpirun_argv(None, np=plan.size, networks=plan.networks, command=rank_command(env)), env, task)
 
 
 def wait_for_orted(plan: Plan, partition: int, task: TaskDir, services: MpirunServices, client) -> Failure | None:

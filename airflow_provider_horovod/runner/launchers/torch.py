@@ -90,6 +90,16 @@ def host_env(spec) -> dict[str, str]:
     return {}
 
 
+def warm_env(spec, env: dict[str, str], local_size: int) -> dict[str, str]:
+    """What a rank of a host with ``local_size`` ranks gets before any import reads it (``threads_env``)."""
+    return threads_env(local_size, env)
+
+
+def threads_env(local_size: int, env: dict[str, str]) -> dict[str, str]:
+    """One intra-op thread per rank when a host runs several, as torchrun sets it (torch reads it at import)."""
+    return {"OMP_NUM_THREADS": "1"} if local_size > 1 and "OMP_NUM_THREADS" not in env else {}
+
+
 def missing_programs(path: str) -> tuple[str, ...]:
     return ()
 
@@ -127,8 +137,7 @@ def slot_env(plan: Plan, slot: Slot, run_id: str, master: tuple[str, int], env: 
     }
     if slot.iface:  # the interface holding the address the plan chose: Gloo and NCCL bind their sockets there
         out.update({"GLOO_SOCKET_IFNAME": slot.iface, "NCCL_SOCKET_IFNAME": slot.iface})
-    if slot.local_size > 1 and "OMP_NUM_THREADS" not in env:
-        out["OMP_NUM_THREADS"] = "1"
+    out.update(threads_env(slot.local_size, env))
     return out
 
 

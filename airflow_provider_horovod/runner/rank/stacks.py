@@ -177,7 +177,12 @@ class Watch:
         return Beat(pid=os.getpid(), host=self._host, idle_s=round(idle, 3), where=place_of(frame), stacks=stacks)
 
     def _loop(self) -> None:
-        while not self._done.wait(self.beat_s):
+        # The first beat at once: a rank that stops (SIGSTOP) or blocks in native code before its first
+        # interval ended is still named by its pid and its host's word for it, not "never heard from"
+        # (a forked rank reaches its training in milliseconds: rank/warm.py).
+        first = True
+        while first or not self._done.wait(self.beat_s):
+            first = False
             began = time.perf_counter()
             try:
                 self._client.send(self.sample(time.monotonic()))

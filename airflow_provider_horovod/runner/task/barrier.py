@@ -30,8 +30,8 @@ from airflow_provider_horovod.runner.dataset import spill
 from airflow_provider_horovod.runner.environment import stack_of_this_host
 from airflow_provider_horovod.runner.events import Failure
 from airflow_provider_horovod.runner.exits import TaskFailure, rank_tails
-from airflow_provider_horovod.runner.launchers import Services, launcher_of
-from airflow_provider_horovod.runner.launchers.processes import hand_over_key
+from airflow_provider_horovod.runner.launchers import Services, launcher_of, warm_modules
+from airflow_provider_horovod.runner.launchers.processes import hand_over_key, start_warm, stop_warm
 from airflow_provider_horovod.runner.names import TaskDir
 from airflow_provider_horovod.runner.network import LOOPBACK, Endpoint, endpoint_of, task_endpoint
 from airflow_provider_horovod.runner.plan import LOCAL_EXECUTOR, Plan, Slot, TaskFacts, make_plan
@@ -264,12 +264,15 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
     coordinator = ChannelCoordinator(client, partition) if client.connected else SparkCoordinator(ctx)
     endpoint = task_endpoint(client.source_address, executor)  # one rule for Gloo and mpirun
     client.send(messages.Hello(partition, executor))
-    services = None
+    services = warm = None
     terminating = SigtermNotice(client, task.path, partition, executor, spec.preempt_grace_s)
     try:
-        task.payload.write_bytes(spec.payload)
         env = base_env(spec, task)
         launcher = launcher_of(spec.launcher)
+        # first: its imports overlap the plan and the launch (this executor's share of the stage: its local size)
+        local_size = sum(1 for info in ctx.getTaskInfos() if info.address == executor)
+        warm = start_warm(task, {**env, **launcher.warm_env(spec, env, local_size)}, warm_modules(spec.launcher, spec.payload))
+        task.payload.write_bytes(spec.payload)
         services = launcher.serve(spec, partition, executor, endpoint.address, task, env, client)
         plan: Plan | None = None
         failure: Failure | None = None
@@ -304,6 +307,7 @@ def run_task(ctx, spec: RunSpec, batches: Iterable[Any] = ()) -> list[dict[str, 
             rows += result_rows(partition, "logs", json.dumps(rank_tails(mine)).encode(), RESULT_CHUNK)
         return rows
     finally:
+        stop_warm(warm)
         if services is not None:
             services.close()
         client.close()
@@ -344,8 +348,14 @@ def run_local(spec: RunSpec, np: int, task: TaskDir) -> bytes:
         task.payload.write_bytes(spec.payload)
         hand_over_rank_keys(spec, list(plan.slots))
         env = base_env(spec, task)
-        with ship_checkpoints(spec, task, rank0=True):
-            failure = launcher_of(spec.launcher).start_local(spec, plan, task, env)
+        launcher = launcher_of(spec.launcher)
+        warm = start_warm(task, {**env, **launcher.warm_env(spec, env, np)}, warm_modules(spec.launcher, spec.payload),
+                          keep=False)
+        try:
+            with ship_checkpoints(spec, task, rank0=True):
+                failure = launcher.start_local(spec, plan, task, env)
+        finally:
+            stop_warm(warm)
         uploaded = upload_artifacts(spec, task)
         failure = failure or uploaded
         note = discarded_checkpoints(spec, task)

@@ -68,6 +68,7 @@ GROUPS = [
     Group("durable-checkpoints", ("tests/integration/test_durable_checkpoints.py",), 38),
     Group("torch-launcher", ("tests/integration/test_torch_launcher.py",), 38),
     Group("restarts", ("tests/integration/test_restarts.py",), 37),
+    Group("warm-ranks", ("tests/integration/test_warm_ranks.py",), 40),
     Group("tensorflow", ("tests/integration/test_tensorflow.py",), 36),
     Group("doc-snippets", ("tests/integration/test_doc_snippets.py",), 34),
     Group("dataset", ("tests/integration/test_dataset.py",), 30),

@@ -127,7 +127,8 @@ PREEMPTING_FILE = "preempting"  # the task's preemption notice to its ranks (tas
 TASK_DIR_PREFIX = "hvdrunner-%s-%s-%d-"  # run id ("<run>-<n>" after a restart), "p<partition>" or "local", owner pid
 SESSION_DIR_PREFIX = "hvdo-%d-"  # an orted's Open MPI session directory; owner pid (kept short)
 WARM_DIR_PREFIX = "hvdwarm-%d-"  # a Spark Python worker's warm process (its socket, its log); owner pid
-_OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+(?:-\d+)?-(?:p\d+|local)|hvdo|hvdwarm)-(\d+)-")
+OFFERS_DIR_PREFIX = "hvdoffers-%d-"  # the driver's proof files of its same-host offers (driver/channel.py); owner pid
+_OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+(?:-\d+)?-(?:p\d+|local)|hvdo|hvdwarm|hvdoffers)-(\d+)-")
 
 
 def new_temp_dir(prefix: str) -> Path:

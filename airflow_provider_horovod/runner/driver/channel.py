@@ -18,7 +18,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -247,9 +246,11 @@ class Channel:
         report that waits its turn is delivered first."""
         if self._reports is not None:
             self._reports.close()
-        self._closed.set()
-        if self._proofs is not None:
-            shutil.rmtree(self._proofs, ignore_errors=True)
+        with self._lock:  # no offer makes the folder again after this (``_proof_dir``)
+            self._closed.set()
+            proofs, self._proofs = self._proofs, None
+        if proofs is not None:
+            shutil.rmtree(proofs, ignore_errors=True)
         if self._listener is not None:
             wire.stop_listening(self._listener)
         with self._lock:
@@ -492,9 +493,13 @@ class Channel:
         proofs = self._proof_dir() if self._same_host_copy and self._resume_root is not None else None
         offer_tree(conn, self._resume_root, proofs)
 
-    def _proof_dir(self) -> Path:
-        """A private folder on the driver for the proof files of its own offers."""
+    def _proof_dir(self) -> Path | None:
+        """A private folder on the driver for the proof files of its own offers (``None`` once the
+        channel is closed: the offer then streams). Named after this process, so a later task on this
+        machine removes it if the driver dies without closing (``names.sweep_orphans``)."""
         with self._lock:
+            if self._closed.is_set():
+                return None
             if self._proofs is None:
-                self._proofs = Path(tempfile.mkdtemp(prefix="hvdrunner-offers-"))
+                self._proofs = names.new_temp_dir(names.OFFERS_DIR_PREFIX % os.getpid())
             return self._proofs

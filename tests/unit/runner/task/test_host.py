@@ -105,8 +105,10 @@ def test_folders_of_a_dead_owner_are_swept_and_a_live_owners_are_kept(tmp_path):
     orphan_task = names.TASK_DIR_PREFIX % ("abc123", "p1", dead.pid)
     orphan_session = names.SESSION_DIR_PREFIX % dead.pid
     orphan_restart = names.TASK_DIR_PREFIX % ("abc123-1", "p1", dead.pid)  # a restart's attempt
-    for name in (mine + "x", orphan_task + "y", orphan_session + "z", orphan_restart + "w", "unrelated-%d-" % dead.pid):
+    orphan_offers = names.OFFERS_DIR_PREFIX % dead.pid  # a driver killed before its channel closed
+    for name in (mine + "x", orphan_task + "y", orphan_session + "z", orphan_restart + "w", orphan_offers + "v",
+                 "unrelated-%d-" % dead.pid):
         (tmp_path / name).mkdir()
     removed = names.sweep_orphans(str(tmp_path))
-    assert sorted(removed) == sorted([orphan_task + "y", orphan_session + "z", orphan_restart + "w"])
+    assert sorted(removed) == sorted([orphan_task + "y", orphan_session + "z", orphan_restart + "w", orphan_offers + "v"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine + "x", "unrelated-%d-" % dead.pid])

@@ -37,6 +37,7 @@ import importlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -328,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     _say("imported %s in %.2f s%s" % (" ".join(modules) or "nothing", time.monotonic() - began,
                                         "" if refusal is None else "; every rank starts cold: " + refusal))
     job = Server(path, int(owner), module, refusal).serve(listener)
-    if job is None:
+    if job is None:  # the owner ended: a kept process's own folder (socket, log) goes with it
+        folder = os.path.dirname(path)
+        if os.path.basename(folder).startswith(names.WARM_DIR_PREFIX.split("%", 1)[0]):
+            shutil.rmtree(folder, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.unlink(path)
         return 0

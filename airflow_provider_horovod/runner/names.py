@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from airflow_provider_horovod.runner.launchers import never_from_driver
+from airflow_provider_horovod.runner.launchers import never_from_driver, rank_names
 
 # -- the environment of every rank process ------------------------------------------------------
 ENV_PLAN = "HVDRUNNER_PLAN"  # path of the plan (JSON) in the task folder
@@ -129,6 +129,14 @@ SESSION_DIR_PREFIX = "hvdo-%d-"  # an orted's Open MPI session directory; owner 
 WARM_DIR_PREFIX = "hvdwarm-%d-"  # a Spark Python worker's warm process (its socket, its log); owner pid
 OFFERS_DIR_PREFIX = "hvdoffers-%d-"  # the driver's proof files of its same-host offers (driver/channel.py); owner pid
 _OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+(?:-\d+)?-(?:p\d+|local)|hvdo|hvdwarm|hvdoffers)-(\d+)-")
+
+
+def rank_of(env: dict[str, str]) -> int | None:
+    """The rank an environment names: the task's word (``HVDRUNNER_RANK``), else any launcher's own."""
+    for name in (ENV_RANK, *rank_names()):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return None
 
 
 def new_temp_dir(prefix: str) -> Path:

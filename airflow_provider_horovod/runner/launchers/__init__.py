@@ -39,6 +39,7 @@ first use (Gloo's imports Horovod, torch's nothing heavy).
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -172,6 +173,7 @@ def never_from_driver() -> tuple[str, ...]:
                  for names in facts.contract.values() for name in names)
 
 
+@functools.cache
 def after_fork_env() -> tuple[frozenset[str], tuple[str, ...]]:
     """Every launcher's names a rank may hold with another value than its warm process: exact names,
     and prefixes (``after_fork_env`` and every contract name)."""

@@ -32,22 +32,12 @@ def cold(command: list[str]) -> None:
     os.execv(command[0], command)
 
 
-def _rank() -> int | None:
-    from airflow_provider_horovod.runner.launchers import rank_names
-    from airflow_provider_horovod.runner.names import ENV_RANK
-
-    for name in (ENV_RANK, *rank_names()):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return None
-
-
 def task_dir() -> str | None:
     """The folder of this rank's task (under mpirun, not always the task whose ``orted`` started this
     process): the plan names it. Its ``warm.sock`` leads to the warm process."""
-    from airflow_provider_horovod.runner.names import ENV_PLAN
+    from airflow_provider_horovod.runner.names import ENV_PLAN, rank_of
 
-    rank = _rank()
+    rank = rank_of(os.environ)
     try:
         with open(os.environ[ENV_PLAN]) as f:
             slots = json.load(f)

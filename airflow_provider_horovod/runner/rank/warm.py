@@ -85,15 +85,6 @@ def _cuda_initialised() -> bool:
         return True
 
 
-def _rank_of(env: dict[str, str]) -> int | None:
-    from airflow_provider_horovod.runner.launchers import rank_names
-
-    for name in (names.ENV_RANK, *rank_names()):
-        if env.get(name, "").isdigit():
-            return int(env[name])
-    return None
-
-
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     """One request: a length, JSON (argv, env, cwd, the fd numbers) and the descriptors themselves."""
     fds = array.array("i")
@@ -184,14 +175,14 @@ class Server:
             return None
         why = self.why_cold(request, received, conn)
         if why is not None:
-            _say("rank %s starts cold: %s" % (_rank_of(request.get("env", {})), why))
+            _say("rank %s starts cold: %s" % (names.rank_of(request.get("env", {})), why))
             with contextlib.suppress(OSError):
                 conn.sendall(b"cold\n")
             for fd in received:
                 os.close(fd)
             conn.close()
             return None
-        rank = _rank_of(request["env"])
+        rank = names.rank_of(request["env"])
         pid = os.fork()
         if pid == 0:
             self.close_in_child(conn)

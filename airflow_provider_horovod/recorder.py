@@ -8,7 +8,7 @@ The operator opens a ``TryRecorder`` before Spark starts, hands its sinks to the
 it record what the run left::
 
     this_try = TryRecorder.open(context, settings, hook=hook, log=log)  # the folder, the resume source
-    with this_try.staging():                                           # local folders for the run
+    with this_try.staging():                                           # local folders for the run (the resume copy ends with them)
         on_checkpoint, on_report = this_try.sinks(tracking)
         result, report, error = ...                                    # the engine's run
         xcom, status = this_try.record(result, report, error)          # drained, explained, stored
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,7 +143,8 @@ class TryRecorder:
     @contextlib.contextmanager
     def staging(self) -> Iterator[str]:
         """The engine's artifact folder (``local``, yielded) and the recorder's scratch (metrics,
-        staged uploads), both removed when the try's store is done. Left without ``record`` (the run
+        staged uploads), both removed when the try's store is done, and the resume copy with them
+        (the engine has read it by then; nothing after the run reads it). Left without ``record`` (the run
         raised what the try does not store), the upload thread is told to end, without waiting: what
         it held is in its ``not_stored``, and no thread uploads from a removed folder afterwards."""
         with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local, tempfile.TemporaryDirectory() as scratch:
@@ -153,6 +155,9 @@ class TryRecorder:
                 if self._uploads is not None and not self._uploads.closed:
                     self._uploads.close(0)
                 self.local = self._scratch = None
+                if self.resume_from is not None:
+                    shutil.rmtree(self.resume_from, ignore_errors=True)
+                    self.resume_from = None
 
     def sinks(self, tracking: Any = None) -> tuple[store.VersionUploads, MetricsRecorder]:
         """The engine's ``on_checkpoint`` (the version sink) and ``on_report`` (the metrics recorder),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -245,8 +244,8 @@ class HorovodRunnerOperator(BaseOperator):
         self._push_links(context)
         np = self._resolve()
         this_try = self._open_try(context)  # the try folder and the checkpoint it resumes from, before Spark starts
-        self._push_spark_ui(context, np)
-        with this_try.staging() as local:
+        with this_try.staging() as local:  # the resume copy goes with it, whatever ends the try (a Spark that never started too)
+            self._push_spark_ui(context, np)
             on_checkpoint, on_report = this_try.sinks(self._mlflow_run(context, np))
             result, report, error = self._train(np, local, this_try.resume_from, on_checkpoint, on_report)
             xcom, status = this_try.record(result, report, error)
@@ -328,9 +327,6 @@ class HorovodRunnerOperator(BaseOperator):
             if self.hook.last_run is None or self.hook.last_run.status != RunStatus.CANCELLED:
                 raise  # no run was started, or the engine did not end it as cancelled: nothing to store
             return None, self.hook.last_run, err
-        finally:
-            if resume_from:
-                shutil.rmtree(resume_from, ignore_errors=True)
 
     def _push_results(self, context: Context, xcom: dict[str, Any], report: RunReport, status: store.TryStatus,
                       resumed_from: store.Checkpoint | None) -> None:

@@ -90,7 +90,27 @@ def test_a_try_opened_fed_and_recorded_leaves_a_complete_try_that_the_next_try_r
     assert state.values[store.STATE_KEY]["seq"] is None
     second = open_try(root, 2, state)
     assert second.source.path == first.folder / "checkpoints" and second.source.try_number == 1
-    assert (Path(second.resume_from) / "model.pt").read_bytes() == b"final weights"
+    copy = Path(second.resume_from)
+    assert (copy / "model.pt").read_bytes() == b"final weights"
+    with second.staging():
+        pass
+    assert not copy.exists() and second.resume_from is None  # the local copy goes with the try's staging
+
+
+def test_the_resume_copy_goes_with_the_staging_whatever_ends_the_try(tmp_path):
+    """The operator enters ``staging`` before it builds the SparkSession: a Spark that never starts
+    (or anything else that ends the try early) leaves no ``hvd-resume-*`` copy behind."""
+    root, state = tmp_path / "root", StateStore()
+    first = open_try(root, 1, state)
+    on_checkpoint = first.version_sink(tmp_path / "staging")
+    on_checkpoint(*engine_version(tmp_path, 1, 10))
+    assert on_checkpoint.close(30) == []
+    second = open_try(root, 2, state)
+    copy = Path(second.resume_from)
+    assert (copy / "model.pt").read_bytes() == b"weights at step 10"
+    with pytest.raises(RuntimeError, match="no Spark"), second.staging():
+        raise RuntimeError("no Spark")
+    assert not copy.exists() and second.resume_from is None  # on main's code: left in the temp folder
 
 
 def test_a_failed_run_is_stored_with_its_failure_and_what_the_retry_policy_makes_of_it(tmp_path, caplog):

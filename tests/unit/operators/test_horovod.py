@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 from airflow.sdk import DAG, task
@@ -304,3 +306,18 @@ def test_the_summary_says_when_rank_0_left_checkpoint_dir_empty(caplog, capfd, c
     assert "Horovod summary: succeeded" in text
     assert ("checkpoint: none: rank 0 left runtime.checkpoint_dir() empty" in text) is warned
     assert ("This try kept no checkpoint: rank 0 left runtime.checkpoint_dir() empty" in text) is warned
+
+
+def test_a_try_whose_spark_never_starts_leaves_no_copy_of_the_checkpoint_it_would_resume_from(tmp_path, monkeypatch):
+    checkpoint = tmp_path / "root" / "ckpt"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.pt").write_bytes(b"weights")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where the resume copy is made
+    op = HorovodRunnerOperator(task_id="t", training_callable=train, op_args=[0.1], np=2,
+                               artifact_root=str(tmp_path / "root"), resume=str(checkpoint),
+                               spark_conn_id="no_such_spark_conn_for_hvd")
+    with pytest.raises(Exception, match="no_such_spark_conn_for_hvd"):
+        op.execute({"ti": RecordingTaskInstance(), "task_state_store": None})
+    assert list(temp.glob("hvd-resume-*")) == []  # on main's code: the copy stayed

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from airflow_provider_horovod import retry, store
 from airflow_provider_horovod.exceptions import HorovodRunError
 from airflow_provider_horovod.metrics import DEFAULT_PROGRESS_INTERVAL_S, MetricsRecorder, check_progress_interval
+from airflow_provider_horovod.runner import names
 from airflow_provider_horovod.runner.events import Failure, RunReport, RunStatus
 from airflow_provider_horovod.runner.options import DEFAULT_KEEP, Launcher
 
@@ -126,7 +128,8 @@ class TryRecorder:
             path = store.checkpoint_at(str(resume), roots=roots)
             source = store.Checkpoint(path, None, files=store.named_files(path))
         self.log.info("Resuming from checkpoint %s", source.describe())
-        return source, self.hook.download(source.path, files=source.files)
+        names.sweep_orphans()  # the copies a killed try on this machine left
+        return source, self.hook.download(source.path, prefix=names.RESUME_DIR_PREFIX % os.getpid(), files=source.files)
 
     def resume_since(self) -> int:
         """The earliest try whose checkpoints this try may resume from: 1, or with
@@ -144,10 +147,14 @@ class TryRecorder:
     def staging(self) -> Iterator[str]:
         """The engine's artifact folder (``local``, yielded) and the recorder's scratch (metrics,
         staged uploads), both removed when the try's store is done, and the resume copy with them
-        (the engine has read it by then; nothing after the run reads it). Left without ``record`` (the run
+        (the engine has read it by then; nothing after the run reads it). Each is named after this
+        process: a try killed here (SIGKILL, OOM) leaves them to the next try on this machine, which
+        removes them (``names.sweep_orphans``). Left without ``record`` (the run
         raised what the try does not store), the upload thread is told to end, without waiting: what
         it held is in its ``not_stored``, and no thread uploads from a removed folder afterwards."""
-        with tempfile.TemporaryDirectory(prefix="hvd-artifacts-") as local, tempfile.TemporaryDirectory() as scratch:
+        names.sweep_orphans()  # what a killed try on this machine left (its staged versions can be large)
+        owned = names.STAGING_DIR_PREFIX % os.getpid()
+        with tempfile.TemporaryDirectory(prefix=owned) as local, tempfile.TemporaryDirectory(prefix=owned) as scratch:
             self.local, self._scratch = local, scratch
             try:
                 yield local

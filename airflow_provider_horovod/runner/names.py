@@ -128,7 +128,9 @@ TASK_DIR_PREFIX = "hvdrunner-%s-%s-%d-"  # run id ("<run>-<n>" after a restart),
 SESSION_DIR_PREFIX = "hvdo-%d-"  # an orted's Open MPI session directory; owner pid (kept short)
 WARM_DIR_PREFIX = "hvdwarm-%d-"  # a Spark Python worker's warm process (its socket, its log); owner pid
 OFFERS_DIR_PREFIX = "hvdoffers-%d-"  # the driver's proof files of its same-host offers (driver/channel.py); owner pid
-_OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+(?:-\d+)?-(?:p\d+|local)|hvdo|hvdwarm|hvdoffers)-(\d+)-")
+STAGING_DIR_PREFIX = "hvdstaging-%d-"  # an Airflow try's local artifact folder and scratch (recorder.staging); owner pid
+RESUME_DIR_PREFIX = "hvdresume-%d-"  # an Airflow try's local copy of the checkpoint it resumes from; owner pid
+_OWNED = re.compile(r"^(?:hvdrunner-[0-9a-f]+(?:-\d+)?-(?:p\d+|local)|hvdo|hvdwarm|hvdoffers|hvdstaging|hvdresume)-(\d+)-")
 
 
 def rank_of(env: dict[str, str]) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -99,7 +100,7 @@ def test_a_try_opened_fed_and_recorded_leaves_a_complete_try_that_the_next_try_r
 
 def test_the_resume_copy_goes_with_the_staging_whatever_ends_the_try(tmp_path):
     """The operator enters ``staging`` before it builds the SparkSession: a Spark that never starts
-    (or anything else that ends the try early) leaves no ``hvd-resume-*`` copy behind."""
+    (or anything else that ends the try early) leaves no ``hvdresume-*`` copy behind."""
     root, state = tmp_path / "root", StateStore()
     first = open_try(root, 1, state)
     on_checkpoint = first.version_sink(tmp_path / "staging")
@@ -164,3 +165,28 @@ def test_a_try_that_may_not_resume_opens_without_a_source_even_with_a_recorded_c
     assert on_checkpoint.close(30) == [] and store.STATE_KEY in state.values
     later = open_try(root, 2, state, resume=resume)
     assert (later.source, later.resume_from) == (None, None)
+
+
+def test_a_try_removes_the_staging_and_resume_copies_that_a_killed_try_on_this_machine_left(tmp_path, monkeypatch):
+    """A try killed with SIGKILL (OOM, a zombie's end) cannot remove its staged versions or its resume
+    copy, each as large as a checkpoint: the next try on the machine does."""
+    import subprocess
+    import tempfile
+
+    from airflow_provider_horovod.runner import names
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for prefix in (names.STAGING_DIR_PREFIX, names.RESUME_DIR_PREFIX):
+        (temp / (prefix % dead.pid + "left")).mkdir()
+        (temp / (prefix % dead.pid + "left") / "model.pt").write_bytes(b"big weights")
+    alive = temp / (names.STAGING_DIR_PREFIX % os.getpid() + "running")  # another try of this process: kept
+    alive.mkdir()
+    try1 = open_try(tmp_path / "root", 1, StateStore())
+    with try1.staging() as local:
+        assert Path(local).name.startswith(names.STAGING_DIR_PREFIX % os.getpid())
+        assert sorted(p.name for p in temp.iterdir() if p.name != Path(local).name and p != Path(try1._scratch)) == [
+            alive.name]  # on main's code: both copies of the dead try were still there

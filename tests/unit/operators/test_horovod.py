@@ -320,4 +320,4 @@ def test_a_try_whose_spark_never_starts_leaves_no_copy_of_the_checkpoint_it_woul
                                spark_conn_id="no_such_spark_conn_for_hvd")
     with pytest.raises(Exception, match="no_such_spark_conn_for_hvd"):
         op.execute({"ti": RecordingTaskInstance(), "task_state_store": None})
-    assert list(temp.glob("hvd-resume-*")) == []  # on main's code: the copy stayed
+    assert list(temp.glob("hvdresume-*")) == []  # on main's code: the copy stayed

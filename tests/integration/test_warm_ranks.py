@@ -190,13 +190,15 @@ def test_a_run_after_killed_tasks_forks_from_the_same_warm_process_on_new_python
     warm process belongs to the executor's pyspark daemon and outlives them."""
     runner = HorovodRunner(2, launcher=launcher, spark=spark)
     thread, errors = train_in_background(runner, tmp_path, job=slow_job(launcher))
-    servers = {p.parent().pid for p in _ranks_of_this_session()["forked"]}
-    assert len(servers) == 1, servers
-    server = servers.pop()
-    daemon = _owner(server)
-    old_workers = _python_workers(daemon)
-    runner.cancel()
-    thread.join(60)
+    try:
+        servers = {p.parent().pid for p in _ranks_of_this_session()["forked"]}
+        assert len(servers) == 1, servers
+        server = servers.pop()
+        daemon = _owner(server)
+        old_workers = _python_workers(daemon)
+    finally:
+        runner.cancel()
+        thread.join(60)
     assert [type(e) for e in errors] == [RunCancelledError]
     after = run_whoami(spark, launcher)
     assert {seen["ppid"] for seen in after} == {server}

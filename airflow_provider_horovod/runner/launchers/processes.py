@@ -166,7 +166,7 @@ def start_warm(task: TaskDir, env: dict[str, str], modules: tuple[str, ...], *, 
     _started[:] = [p for p in _started if p.poll() is None]
     owners = dict.fromkeys([warm_owner(), os.getpid()])  # the daemon's; this worker's own if that one is not ours
     for owner in owners:
-        path = _kept_warm(owner, key, env, modules)
+        path = _kept_warm(owner, key, _naming_no_task(env, str(task.path)), modules)
         if path is not None:
             with contextlib.suppress(OSError):
                 os.symlink(path, task.warm_socket)
@@ -220,13 +220,19 @@ def _create(owner: int, folder: str, env: dict[str, str], modules: tuple[str, ..
     return True
 
 
+def _naming_no_task(env: dict[str, str], task_path: str) -> dict[str, str]:
+    """``env`` less the names that name the task's folder (its plan, its payload: each read only after
+    the fork): a kept warm process outlives the task, and a task's janitor ends whatever names its folder."""
+    from airflow_provider_horovod.runner.launchers import read_after_fork
+
+    return {k: v for k, v in env.items() if not (read_after_fork(k) and task_path in v)}
+
+
 def _start(folder: str, path: str, env: dict[str, str], modules: tuple[str, ...], owner: int) -> subprocess.Popen | None:
     """Bind ``warm.sock`` in ``folder`` (0600 in the 0700 folder) and start the warm process on it;
     ``path``: where the socket will be found. Bound and listening before any rank can look for it: a
     stub that comes while the modules import waits in the backlog (the warm process answers once
     they are in)."""
-    from airflow_provider_horovod.runner.launchers import read_after_fork
-
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         old = os.umask(0o177)
@@ -235,12 +241,9 @@ def _start(folder: str, path: str, env: dict[str, str], modules: tuple[str, ...]
         finally:
             os.umask(old)
         listener.listen(64)
-        # nothing of a run in its environment (the task's folder, its plan): it outlives the task, and
-        # a task's janitor ends what names the task's folder
-        quiet = {k: v for k, v in env.items() if not read_after_fork(k)}
         with open(os.path.join(folder, names.WARM_LOG), "ab") as out:
             # not one of spawn's children: a stop (kill_all) ends the ranks, not what the next attempt forks from
-            return subprocess.Popen([*WARM, str(listener.fileno()), path, str(owner), *modules], env=quiet,
+            return subprocess.Popen([*WARM, str(listener.fileno()), path, str(owner), *modules], env=env,
                                     start_new_session=True, close_fds=True, pass_fds=(listener.fileno(),),
                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     except OSError:  # a folder path too long for a socket's name (108 bytes): every rank starts cold

@@ -118,13 +118,17 @@ def test_the_owners_tasks_share_one_warm_process_per_key_and_at_most_two(kept, t
     assert not os.path.exists(os.path.dirname(other.socket_path))
 
 
-def test_the_warm_process_leaves_the_run_out_of_its_environment(kept):
+def test_the_warm_process_leaves_the_task_folder_out_of_its_environment(kept, tmp_path):
     """It outlives the task that started it: a task's janitor ends what names the task's folder."""
     import psutil
 
-    a = kept("a", {"HVDRUNNER_PLAN": "/tmp/a/plan.json", "HVDRUNNER_TASK_DIR": "/tmp/a"})
+    from airflow_provider_horovod.runner import procs
+
+    plan = str(tmp_path / "a" / "plan.json")
+    a = kept("a", {"HVDRUNNER_PLAN": plan, "HVDRUNNER_CHANNEL": "127.0.0.1:1"})
     env = psutil.Process(_warm_pid(a.socket_path)).environ()
-    assert "HVDRUNNER_PLAN" not in env and "HVDRUNNER_TASK_DIR" not in env and env["PATH"] == kept.env["PATH"]
+    assert "HVDRUNNER_PLAN" not in env and env["HVDRUNNER_CHANNEL"] == "127.0.0.1:1" and env["PATH"] == kept.env["PATH"]
+    assert procs.working_in([str(tmp_path / "a")]) == []
 
 
 def test_a_stale_folder_is_replaced_and_the_next_task_gets_a_live_warm_process(kept):

@@ -153,9 +153,9 @@ def start_warm(task: TaskDir, env: dict[str, str], modules: tuple[str, ...], *, 
     later run or a restart on this executor forks ranks that imported nothing, even on new Python
     workers. The first task to need it starts it, its imports overlapping the plan and the launch;
     the other tasks of the stage use it. Otherwise (``np < 0``) one is started in the task's folder
-    and ends with the task. It imports ``modules`` in the environment ``env`` less the names read
-    only after the fork, ends with its owner (its pidfd), and holds no state of any run: it only
-    imported, and every rank is a fork of it.
+    and ends with the task. It imports ``modules`` in the environment ``env`` (a kept one less the
+    names that name the task's folder, read only after the fork), ends with its owner (its pidfd),
+    and holds no state of any run: it only imported, and every rank is a fork of it.
     """
     if not warm(env):
         return None

@@ -192,8 +192,8 @@ class Contenders:
 # -- settling between contenders ----------------------------------------------------------------
 LAUNCH_PROCESSES = ("torchrun", "torch.distributed.run", "mpirun", "orterun", "orted", "horovodrun", "hvdrunner",
                     "horovod.runner", "noop.py", "airflow_provider_horovod.runner")
-# this script; the runner's janitors (asleep until their process ends); a Python worker's warm rank process
-# (asleep until a rank asks for a fork; it ends with its worker)
+# this script; the runner's janitors (asleep until their process ends); an executor's warm rank process
+# (asleep until a rank asks for a fork; it ends with its executor, the pyspark daemon)
 IDLE_PROCESSES = ("launch_overhead.py", "--janitor", "airflow_provider_horovod.runner.rank.warm")
 QUIET_BUSY = 0.15  # settled when this benchmark's process tree uses under this many cores ...
 QUIET_WINDOW_S = 0.25  # ... over two windows of this length in a row

@@ -126,7 +126,10 @@ PREEMPTING_FILE = "preempting"  # the task's preemption notice to its ranks (tas
 # whose owner died without cleaning up (a Python worker killed with its executor, SIGKILL).
 TASK_DIR_PREFIX = "hvdrunner-%s-%s-%d-"  # run id ("<run>-<n>" after a restart), "p<partition>" or "local", owner pid
 SESSION_DIR_PREFIX = "hvdo-%d-"  # an orted's Open MPI session directory; owner pid (kept short)
-WARM_DIR_PREFIX = "hvdwarm-%d-"  # a Spark Python worker's warm process (its socket, its log); owner pid
+WARM_DIR_PREFIX = "hvdwarm-%d-"  # a warm process's folder (its socket, its log); owner pid: the pyspark daemon, or the worker
+WARM_DIR = WARM_DIR_PREFIX + "k%s"  # an owner's kept warm process for one key: owner pid, the key's hash (launchers/processes.py)
+WARM_KEY_CHARS = 12
+WARM_DIR_RE = r"^hvdwarm-%d-k[0-9a-f]{12}$"  # an owner's kept warm processes (not those being started or moved aside)
 OFFERS_DIR_PREFIX = "hvdoffers-%d-"  # the driver's proof files of its same-host offers (driver/channel.py); owner pid
 STAGING_DIR_PREFIX = "hvdstaging-%d-"  # an Airflow try's local artifact folder and scratch (recorder.staging); owner pid
 RESUME_DIR_PREFIX = "hvdresume-%d-"  # an Airflow try's local copy of the checkpoint it resumes from; owner pid

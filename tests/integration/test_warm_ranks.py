@@ -8,9 +8,19 @@ compare with."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import json
 import os
+import shutil
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -49,8 +59,10 @@ def test_ranks_fork_from_the_workers_kept_warm_process_and_see_what_a_cold_rank_
     cold = run_whoami(spark, launcher, HVDRUNNER_WARM="0")
     first = run_whoami(spark, launcher)
     second = run_whoami(spark, launcher)
-    # the same warm processes (one per Spark Python worker; which task a worker runs is Spark's choice)
+    # one warm process for both tasks of the stage (one executor: one pyspark daemon), the same for the next run
+    assert len({seen["ppid"] for seen in first}) == 1, first
     assert {seen["ppid"] for seen in second} == {seen["ppid"] for seen in first}
+    assert _is_daemon(_owner(first[0]["ppid"]))
     for rank in (0, 1):
         c, w, again = cold[rank], first[rank], second[rank]
         assert not any(WARM in a for a in c["parent"]), c["parent"]  # cold: the task's (or orted's) own child
@@ -149,3 +161,143 @@ def test_cancel_ends_every_forked_rank_and_keeps_the_warm_process_idle(spark, la
         if server.is_running():
             assert [c for c in server.children() if c.status() != psutil.STATUS_ZOMBIE] == []
 
+
+
+def _owner(warm_pid: int) -> int:
+    """The owner a warm process was started for (``WARM FD SOCKET OWNER MODULE...``)."""
+    cmd = psutil.Process(warm_pid).cmdline()
+    return int(cmd[cmd.index(WARM) + 3])
+
+
+def _folder(warm_pid: int) -> str:
+    cmd = psutil.Process(warm_pid).cmdline()
+    return os.path.dirname(cmd[cmd.index(WARM) + 2])
+
+
+def _is_daemon(pid: int) -> bool:
+    """The executor's pyspark daemon, not one of the Python workers it forked (the same command line)."""
+    proc = psutil.Process(pid)
+    return "pyspark.daemon" in " ".join(proc.cmdline()) and "pyspark.daemon" not in " ".join(proc.parent().cmdline())
+
+
+def _python_workers(daemon: int) -> set[int]:
+    return {p.pid for p in psutil.Process(daemon).children() if p.status() != psutil.STATUS_ZOMBIE}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_run_after_killed_tasks_forks_from_the_same_warm_process_on_new_python_workers(spark, launcher, tmp_path):
+    """Spark ends the Python worker of every task it kills (a restart's old stage, an interrupted job,
+    its kill timeout): here SIGKILL, as Spark's daemon does. The warm process belongs to the
+    executor's pyspark daemon and outlives them; the next run's tasks, on new Python workers, fork
+    from it."""
+    runner = HorovodRunner(2, launcher=launcher, spark=spark)
+    thread, errors = train_in_background(runner, tmp_path, job=slow_job(launcher))
+    try:
+        servers = {p.parent().pid for p in _ranks_of_this_session()["forked"]}
+        assert len(servers) == 1, servers
+        server = servers.pop()
+        daemon = _owner(server)
+        assert _is_daemon(daemon)
+        old_workers = _python_workers(daemon)
+        for pid in old_workers:  # the tasks' Python workers (and any idle one): all of them go
+            os.kill(pid, signal.SIGKILL)
+        thread.join(60)
+    finally:
+        runner.cancel()
+        thread.join(60)
+    assert len(errors) == 1, errors  # the stage lost its tasks
+    log = Path(_folder(server), "warm.log")
+    assert _running(server), log.read_text() if log.exists() else "no log"
+    after = run_whoami(spark, launcher)
+    assert {seen["ppid"] for seen in after} == {server}, log.read_text() if log.exists() else "no log"
+    assert not old_workers & _python_workers(daemon)
+    assert "rank 0 forked" in log.read_text()
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_stale_warm_folder_is_replaced_and_the_next_run_forks_warm_again(spark, launcher):
+    before = run_whoami(spark, launcher)
+    (server,) = {seen["ppid"] for seen in before}
+    folder = _folder(server)
+    os.kill(server, signal.SIGKILL)  # nothing of it runs: its folder and socket stay, the socket refuses
+    psutil.wait_procs([psutil.Process(server)], timeout=5)
+    assert os.path.exists(os.path.join(folder, "warm.sock"))
+    after = run_whoami(spark, launcher)
+    servers = {seen["ppid"] for seen in after}
+    assert len(servers) == 1 and server not in servers, servers
+    (fresh,) = servers
+    assert any(WARM in a for a in after[0]["parent"]) and _folder(fresh) == folder
+    again = run_whoami(spark, launcher)
+    assert {seen["ppid"] for seen in again} == {fresh}
+
+
+@pytest.mark.parametrize("trap", ["mode", "symlink", "other user"])
+def test_a_warm_folder_that_is_not_private_and_ours_is_never_used(spark, trap, tmp_path):
+    """The warm process still listens, reachable at the folder's name: a task that trusted the name
+    would hand it the rank's descriptors. It falls back to a warm process of its Python worker's own."""
+    if trap == "other user" and os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    before = run_whoami(spark, "gloo")
+    (server,) = {seen["ppid"] for seen in before}
+    folder = _folder(server)
+    moved = str(tmp_path / "moved")
+    after: list[dict] = []
+    try:
+        if trap == "mode":
+            os.chmod(folder, 0o755)
+        elif trap == "symlink":
+            os.rename(folder, moved)  # the socket goes with its folder: the warm process answers there
+            os.symlink(moved, folder)
+        else:
+            os.chown(folder, 65534, 65534)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(os.path.join(folder, "warm.sock"))  # the trap is live
+        after = run_whoami(spark, "gloo")
+        for seen in after:
+            assert seen["ppid"] != server
+            assert any(WARM in a for a in seen["parent"]), seen["parent"]  # warm all the same: the worker's own
+            assert _owner(seen["ppid"]) != _owner(server)
+    finally:  # the trap's warm process, and the workers' own (they would live as long as their workers)
+        for pid in {server, *(seen["ppid"] for seen in after)}:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        if os.path.islink(folder):
+            os.unlink(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(moved, ignore_errors=True)
+
+
+def test_nothing_of_the_shared_warm_process_is_left_once_the_session_stops(tmp_path):
+    """Its own driver and session: the warm process the stage's two tasks shared, and its folder, go
+    with the executor (the pyspark daemon ends when Spark stops)."""
+    script = textwrap.dedent("""
+        import json, sys
+        sys.path.insert(0, %r)
+        import cloudpickle, psutil
+        from pyspark.sql import SparkSession
+        from airflow_provider_horovod import HorovodRunner
+        from tests.integration import warm_jobs
+        cloudpickle.register_pickle_by_value(warm_jobs)
+        spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+        seen = HorovodRunner(2, launcher="gloo", spark=spark).run(warm_jobs.whoami_job)
+        servers = sorted({s["ppid"] for s in seen})
+        cmd = psutil.Process(servers[0]).cmdline()
+        print("SEEN", json.dumps([servers, int(cmd[cmd.index(%r) + 3])]), flush=True)
+        spark.stop()
+    """ % (str(Path(__file__).resolve().parents[2]), WARM))
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    servers, owner = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("SEEN"))[5:])
+    assert len(servers) == 1, servers  # shared by the stage's two tasks
+    deadline = time.monotonic() + 10
+    while _running(servers[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(servers[0]) and not _running(owner)
+    assert glob.glob(os.path.join(tempfile.gettempdir(), "hvdwarm-%d-*" % owner)) == []
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

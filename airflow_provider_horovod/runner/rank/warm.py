@@ -1,19 +1,21 @@
-"""The warm process of a Spark Python worker: ``python -m airflow_provider_horovod.runner.rank.warm FD
-SOCKET OWNER [IMPORT...]``, a fork server for the ranks of that worker's barrier tasks (``FD``: the
-socket ``SOCKET``, already listening: the task bound it before it started this process; ``OWNER``:
-the Python worker, whose end is this process's end).
+"""The warm process of an executor: ``python -m airflow_provider_horovod.runner.rank.warm FD SOCKET
+OWNER [IMPORT...]``, a fork server for the ranks of the executor's barrier tasks (``FD``: the socket
+``SOCKET``, already listening: the task bound it before it started this process; ``OWNER``: the
+executor's pyspark daemon, or the Python worker where there is none, whose end is this process's end).
 
-A barrier task starts it first thing (before the plan) and the Python worker keeps it for its next
-tasks (``launchers/processes.start_warm``) while nothing its imports could have read changed: the
+The first barrier task of an owner that needs it starts it (before the plan) in the owner's folder
+for its key, and every later task of that owner uses it, whichever Python worker runs the task
+(``launchers/processes.start_warm``), while nothing its imports could have read changed: the
 training stack's import (``IMPORT...``: the launcher's ``warm_modules``; ``import torch,
-horovod.torch`` is about 1.3 s of CPU) is paid once per Python worker, and the first time it overlaps
+horovod.torch`` is about 1.3 s of CPU) is paid once per executor, and the first time it overlaps
 Spark's scheduling, the plan and mpirun's start. A rank's command is then the stub
 (``rank/stub.py``), started exactly as the worker was (by the task, or by ``orted``), which connects
-to ``SOCKET`` (0600 in the task's 0700 folder), hands over its descriptors (``SCM_RIGHTS``), its
+to ``SOCKET`` (0600 in its 0700 folder), hands over its descriptors (``SCM_RIGHTS``), its
 environment and its folder; this process forks a child that takes them and runs ``MODULE``
 (``rank.worker``) as ``python -m MODULE`` would, reports the child's pid, and its exit status when it
-ends. Whatever this process cannot vouch for gets the answer ``cold`` and the stub execs the worker
-itself (a fresh interpreter, as before):
+ends. An empty request is a task's probe (is it alive?); ``{"stop": true}`` asks it to stop (evicted:
+no more ranks, it ends once those it forked have). Whatever this process cannot vouch for gets the
+answer ``cold`` and the stub execs the worker itself (a fresh interpreter, as before):
 
 - an environment that differs from this process's own in a name that may be read while the warm
   modules import (``launchers.read_after_fork`` says which names may differ: each is read by the
@@ -24,9 +26,9 @@ itself (a fresh interpreter, as before):
 - a descriptor the rank must have at a number this process already uses.
 
 Why the fork is safe, and what runs at fork time: ``docs/architecture.md`` ("Warm rank processes").
-This process runs no thread of its own (one ``selectors`` loop), dies with its task (a pidfd of
-``OWNER`` in the loop; the task also kills it in its ``finally``), and SIGKILLs a child's whole tree
-the moment that child's stub goes away (``kill_tree`` SIGKILLs the stub after its grace).
+This process runs no thread of its own (one ``selectors`` loop), dies with its owner (a pidfd of
+``OWNER`` in the loop; with ``np < 0`` the run also kills it in its ``finally``), and SIGKILLs a
+child's whole tree the moment that child's stub goes away (``kill_tree`` SIGKILLs the stub after its grace).
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(body[: len(body) - (len(body) % fds.itemsize)])
     received = list(fds)
+    if not data and not received:
+        raise EOFError  # a task's probe (``launchers/processes.probe``): connected, and gone
     if len(data) < 4:
         raise ValueError("short request")
     (size,) = struct.unpack("!I", data[:4])
@@ -117,6 +121,7 @@ class Server:
         self.children: dict[socket.socket, tuple[int, int]] = {}  # stub's connection -> (child pid, its pidfd)
         self.listener: socket.socket | None = None
         self.owner_fd = -1
+        self.stopping = False  # asked to stop (evicted): no more ranks; ends once its children have
 
     # -- the decision ---------------------------------------------------------------------------
     def why_cold(self, request: dict, received: list[int], conn: socket.socket) -> str | None:
@@ -140,21 +145,22 @@ class Server:
         return None
 
     # -- the loop -------------------------------------------------------------------------------
-    def serve(self, listener: socket.socket) -> tuple | None:
-        """Answer requests until the owner ends. Returns in a forked child only: what it must run."""
+    def serve(self, listener: socket.socket) -> tuple | str:
+        """Answer requests until the owner ends (``"owner"``) or, asked to stop, its last child has
+        (``"stopped"``). Returns in a forked child only: what it must run."""
         self.listener = listener
         self.sel.register(listener, selectors.EVENT_READ, "accept")
         try:
             self.owner_fd = os.pidfd_open(self.owner)
         except ProcessLookupError:
-            return None
+            return "owner"
         self.sel.register(self.owner_fd, selectors.EVENT_READ, "owner")
-        while True:
+        while not (self.stopping and not self.children):
             for key, _ in self.sel.select():
                 what = key.data
                 if what == "owner":
                     self.stop_all()
-                    return None
+                    return "owner"
                 if what == "accept":
                     job = self.accept()
                     if job is not None:
@@ -163,15 +169,25 @@ class Server:
                     self.stub_gone(what[1])
                 elif what[0] == "child":
                     self.child_ended(what[1])
+        return "stopped"
 
     def accept(self) -> tuple | None:
         conn, _ = self.listener.accept()
         try:
             conn.settimeout(5.0)
             request, received = _receive(conn)
+        except EOFError:
+            conn.close()
+            return None
         except (OSError, ValueError) as err:
             _say("a request could not be read: %s" % err)
             conn.close()
+            return None
+        if request.get("stop"):  # evicted (``launchers/processes._evict``): its folder is gone already
+            conn.close()
+            for fd in received:
+                os.close(fd)
+            self.stop_accepting()
             return None
         why = self.why_cold(request, received, conn)
         if why is not None:
@@ -236,6 +252,14 @@ class Server:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, STOP_SIGNAL)
 
+    def stop_accepting(self) -> None:
+        """No more ranks: whoever is still in the backlog gets no answer and starts cold; the ranks
+        already forked run on (another task's), and this process ends once they have."""
+        _say("asked to stop: %d rank(s) still running" % len(self.children))
+        self.stopping = True
+        self.sel.unregister(self.listener)
+        self.listener.close()
+
     def stop_all(self) -> None:
         for pid, _ in list(self.children.values()):
             self.kill_tree(pid)
@@ -251,7 +275,8 @@ class Server:
         """The child keeps nothing of the server: its listener, its selector, the other stubs'
         connections (or their hang-up would never be seen), the pidfds."""
         self.sel.close()
-        self.listener.close()
+        if self.listener.fileno() >= 0:
+            self.listener.close()
         for conn, (_pid, pidfd) in self.children.items():
             conn.close()
             os.close(pidfd)
@@ -320,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     _say("imported %s in %.2f s%s" % (" ".join(modules) or "nothing", time.monotonic() - began,
                                         "" if refusal is None else "; every rank starts cold: " + refusal))
     job = Server(path, int(owner), module, refusal).serve(listener)
-    if job is None:  # the owner ended: a kept process's own folder (socket, log) goes with it
+    if job == "stopped":  # evicted: its folder was moved aside and removed by the task that asked
+        return 0
+    if job == "owner":  # the owner ended (no task of it can start one under its name now): its folder goes with it
         folder = os.path.dirname(path)
         if os.path.basename(folder).startswith(names.WARM_DIR_PREFIX.split("%", 1)[0]):
             shutil.rmtree(folder, ignore_errors=True)

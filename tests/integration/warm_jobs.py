@@ -62,3 +62,32 @@ def ends_by_itself_job(how: str, kind: str = "horovod", victim: int = 1) -> None
             os.kill(os.getpid(), signal.SIGABRT)
         os._exit(3)
     time.sleep(120)
+
+
+_KEPT: list = []  # what a rank keeps alive until its interpreter ends (a file left open by the training code)
+
+
+def exit_duties_job(folder: str) -> int:
+    """A rank that leaves its end work to do: a file it never closed with its last write still in the
+    buffer, an ``atexit`` handler, a non-daemon thread still working. Each writes a file named after the
+    rank. Returns how many objects the collector had frozen when the function began."""
+    import atexit
+    import gc
+    import threading
+
+    import horovod.torch as hvd
+
+    frozen = gc.get_freeze_count()
+    hvd.init()
+    rank = hvd.rank()
+
+    def write(name: str) -> None:
+        with open(os.path.join(folder, "%s-%d.txt" % (name, rank)), "w") as f:
+            f.write(name)
+
+    left_open = open(os.path.join(folder, "unclosed-%d.txt" % rank), "w")  # noqa: SIM115 - the point
+    left_open.write("unclosed")
+    _KEPT.append(left_open)
+    atexit.register(write, "atexit")
+    threading.Thread(target=lambda: (time.sleep(1.0), write("thread"))).start()
+    return frozen

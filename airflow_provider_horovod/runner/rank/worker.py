@@ -88,7 +88,7 @@ class OutputPump:
                 self._flush()
                 return
             else:
-                time.sleep(FOLLOW_INTERVAL_S)
+                self._closing.wait(FOLLOW_INTERVAL_S)  # close() wakes it: the last lines go at once
             if time.monotonic() - last_flush >= FLUSH_INTERVAL_S:
                 self._flush()
                 last_flush = time.monotonic()
@@ -267,7 +267,20 @@ def main() -> int:
     _close_reports()
     pump.close()
     client.close()
+    _freeze_for_exit()
     return 0
+
+
+def _freeze_for_exit() -> None:
+    """The rank's work is done: what is garbage now is collected (finalizers run), and what is left
+    is frozen, so the interpreter's shutdown frees it by reference counting without its collections
+    walking the training stack's objects again: with torch and Horovod imported, those collections
+    took 0.5 cpu-s of a 0.75 s exit, per rank. Non-daemon threads, atexit handlers and the modules'
+    teardown still run as in any exit (CPython promises no finalizer of an object still alive at exit)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 if __name__ == "__main__":

@@ -106,6 +106,9 @@ class FolderWatch:
         self.folder = folder
         self._fd = -1
         self._last = file_stats(folder)
+        self._woken = threading.Event()
+        self._wake_lock = threading.Lock()  # wake() comes from another thread than close()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # wake(): a wait ends at once
         with contextlib.suppress(OSError, AttributeError):
             self._libc = ctypes.CDLL(None, use_errno=True)
             self._fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -121,8 +124,8 @@ class FolderWatch:
         """True when a checkpoint completed since the last call (within ``timeout``)."""
         if self._fd < 0:
             return self._poll(timeout)
-        ready, _, _ = select.select([self._fd], [], [], timeout)
-        if not ready:
+        ready, _, _ = select.select([self._fd, self._wake_r], [], [], timeout)
+        if self._fd not in ready:
             return False
         completed = False
         with contextlib.suppress(BlockingIOError):
@@ -147,8 +150,15 @@ class FolderWatch:
     def _watch_new_dirs(self) -> None:
         self._watch_tree(self.folder)  # adding a watch again is harmless (the kernel returns the same one)
 
+    def wake(self) -> None:
+        """End the current (and any later) ``wait`` at once: the shipper is stopping."""
+        self._woken.set()
+        with self._wake_lock, contextlib.suppress(OSError):
+            if self._wake_w >= 0:  # closed already: no later wait
+                os.write(self._wake_w, b"x")
+
     def _poll(self, timeout: float) -> bool:
-        time.sleep(timeout)
+        self._woken.wait(timeout)
         now = file_stats(self.folder)
         changed, self._last = now != self._last, now
         return changed and now == file_stats(self.folder)
@@ -157,6 +167,11 @@ class FolderWatch:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
 
 def uncommitted_warning(files: list[str], waited_s: float | None, newest_step: int | None) -> str:
@@ -221,6 +236,7 @@ class Shipper(threading.Thread):
         """A version still in flight after ``STOP_WAIT_S`` is cut off: the final hand-over carries
         the same files, and two transfers would share the link (each at half its rate)."""
         self._stopping.set()
+        self._watch.wake()  # not a poll's interval later
         self.join(STOP_WAIT_S)
         if self.is_alive() and self._conn is not None:
             with contextlib.suppress(OSError):

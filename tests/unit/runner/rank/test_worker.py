@@ -42,3 +42,29 @@ def test_a_return_value_that_cannot_travel_says_what_to_return_instead():
     with pytest.raises(PayloadError, match="Rank 0's return value \\(a lock\\) cannot be pickled") as info:
         worker._pickled_result(threading.Lock())
     assert "runtime.checkpoint_dir()" in str(info.value)
+
+
+def test_a_ranks_last_lines_go_out_when_it_ends_not_a_read_interval_later(tmp_path, monkeypatch):
+    """The follower waits for new lines between reads; the rank's end (``close``) wakes it, so the
+    last lines are sent at once (the interval is made far longer than close's bounded wait here)."""
+    import time
+
+    monkeypatch.setattr(worker, "FOLLOW_INTERVAL_S", 60.0)
+    sent = []
+
+    class Client:
+        def send(self, message) -> None:
+            sent.append(message)
+
+    log = tmp_path / "rank-0.log"
+    log.write_bytes(b"")
+    pump = worker.OutputPump(0, Client(), stream=True, log_path=log, forward=False)
+    time.sleep(0.3)  # the follower found nothing and waits
+    with log.open("ab") as f:
+        f.write(b"the last line\n")
+    began = time.monotonic()
+    pump.close()
+    assert time.monotonic() - began < 0.9  # close's own bound is 1 s: the follower ended, not the wait
+    assert not pump._reader.is_alive()
+    assert [line for batch in sent for line in batch.lines] == ["the last line"]
+    assert list(pump.tail) == ["the last line"]

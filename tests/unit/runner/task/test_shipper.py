@@ -251,3 +251,15 @@ def test_a_commit_not_yet_taken_is_replaced_by_the_next_and_its_snapshot_goes_wi
     assert len(pending) == 1 and (pending[0] / "model.pt").read_bytes() == b"two"
     assert '"step": 2' in (pending[0] / "_COMMIT.json").read_text()
     wait_for(lambda: sorted(p.name for p in commits.iterdir()) == [pending[0].name])  # the stale one is gone
+
+
+def test_the_task_end_stops_the_shipper_at_once_not_a_poll_interval_later(run, monkeypatch):
+    """``stop`` wakes the shipper's wait for the folder, so a task's end is not held up by it (the
+    interval is made far longer than stop's bounded join here: an unwoken shipper would be left running)."""
+    monkeypatch.setattr(shipper, "POLL_S", 60.0)
+    r = run()
+    time.sleep(0.3)  # the shipper waits on its folder
+    began = time.monotonic()
+    r.shipper.stop()
+    assert not r.shipper.is_alive()
+    assert time.monotonic() - began < shipper.STOP_WAIT_S

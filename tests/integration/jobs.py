@@ -183,7 +183,7 @@ def checkpoint_job(epochs: int = 3, fail_at: int | None = None, in_flight_at_fai
     timeline = hvd.allgather_object(os.environ.get("HOROVOD_TIMELINE"))
     import psutil
 
-    ancestors = [p.pid for p in psutil.Process().parents()]
+    ancestors = [task_pid(), *(p.pid for p in psutil.Process(task_pid()).parents())]  # its task's: see executor_jvm
     return {"start": start, "resume_seen": seen, "timeline_env": timeline, "rank0_ancestors": ancestors,
             "weights": [p.detach().flatten().tolist() for p in model.parameters()]}
 
@@ -355,6 +355,15 @@ def task_pid() -> int:
         return Plan.from_json(f.read()).slots[runtime.rank()].task_pid
 
 
+def executor_jvm():
+    """The JVM of this rank's executor: an ancestor of the rank's task (its Spark Python worker, under
+    the pyspark daemon). Not one of a forked rank's own ancestors: the warm process belongs to the
+    executor's daemon and outlives the Python worker that started it (then init is its parent)."""
+    import psutil
+
+    return next(p for p in psutil.Process(task_pid()).parents() if p.name() == "java")
+
+
 def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horovod", loss: str = "",
                     losses: int = 1, marker: str = "", victim: int | list[int] = 1, with_dataset: bool = False):
     """Rank 0 commits ``step.txt`` each step with ``runtime.commit_checkpoint``; resumes after the step
@@ -401,7 +410,7 @@ def restartable_job(steps: int = 12, pause: float = 0.3, collective: str = "horo
             if rank == victim and loss == "task":
                 os.kill(task_pid(), signal.SIGKILL)  # gloo, torch: the rank's task runs on the rank's executor
             if rank == victim and loss == "jvm":
-                java = next(p for p in psutil.Process().parents() if p.name() == "java")
+                java = executor_jvm()
                 with open(marker + ".tmp", "w") as f:
                     f.write(str(java.pid))
                 os.replace(marker + ".tmp", marker)
@@ -444,7 +453,7 @@ def preemptible_job(steps: int = 12, pause: float = 0.3, marker: str = "", with_
         if runtime.attempt() == 0 and step == 3 and hvd.rank() == 1 and notice == "sigterm":
             os.kill(task_pid(), signal.SIGTERM)
         elif runtime.attempt() == 0 and step == 3 and hvd.rank() == 1:
-            java = next(p for p in psutil.Process().parents() if p.name() == "java")
+            java = executor_jvm()
             with open(marker + ".tmp", "w") as f:
                 f.write(str(java.pid))
             os.replace(marker + ".tmp", marker)

@@ -136,6 +136,7 @@ def hvd_deploy_restart():
     @task.horovod(np=2, launcher="gloo", spark_conn_id="spark_shared", retries=1,
                   retry_delay=datetime.timedelta(seconds=0))
     def survive():
+        import os
         import time
 
         import horovod.torch as hvd
@@ -148,7 +149,14 @@ def hvd_deploy_restart():
         if hvd.rank() == 1 and runtime.attempt() == 0:  # for the test: the JVM to kill
             import psutil
 
-            java = next(p for p in psutil.Process().parents() if p.name() == "java")
+            from airflow_provider_horovod.runner.names import ENV_PLAN
+            from airflow_provider_horovod.runner.plan import Plan
+
+            # its task's ancestor: a forked rank's parent is the executor's warm process, which outlives
+            # the Python worker that started it
+            with open(os.environ[ENV_PLAN]) as f:
+                task = Plan.from_json(f.read()).slots[hvd.rank()].task_pid
+            java = next(p for p in psutil.Process(task).parents() if p.name() == "java")
             runtime.log_to_driver("rank 1 runs in the executor JVM %d" % java.pid)
         for step in range(start + 1, 100000):
             hvd.allreduce_(torch.zeros(1), name="step")

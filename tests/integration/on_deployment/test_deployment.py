@@ -28,6 +28,7 @@ from tests.integration.deployment import Api, Deployment
 pytestmark = pytest.mark.slow
 
 METADATA = ("artifacts_uri", "checkpoint_uri", "timeline_uri", "try_number", "duration_s")
+WARM_MODULE = "airflow_provider_horovod.runner.rank.warm"
 GONE_WITHIN_S = 10  # no rank, orted or mpirun of a stopped task is left after this long
 
 
@@ -328,6 +329,21 @@ def shared_cluster_ranks() -> list[psutil.Process]:
     return [p for p in run_processes() if _ctx(p)[0] is None]
 
 
+def lineage(proc: psutil.Process) -> list[psutil.Process]:
+    """``proc``'s ancestors, from a forked rank's warm process on through its owner (the executor's
+    pyspark daemon): the warm process outlives the Python worker that started it, then init is its parent."""
+    found: list[psutil.Process] = []
+    parent = proc.parent()
+    while parent is not None and parent.pid > 1:
+        found.append(parent)
+        cmdline = parent.cmdline()
+        if WARM_MODULE in cmdline:  # python -m ...rank.warm FD SOCKET OWNER MODULE...
+            parent = psutil.Process(int(cmdline[cmdline.index(WARM_MODULE) + 3]))
+        else:
+            parent = parent.parent()
+    return found
+
+
 def newest_step(folder: Path) -> int:
     """The step of the newest version committed in a try folder (0 before the first)."""
     versions = sorted(folder.glob("versions/*/_VERSION.json"), key=lambda m: int(m.parent.name))
@@ -350,7 +366,7 @@ def test_an_executor_killed_mid_training_restarts_in_the_same_try_and_the_view_s
     jvm = int(api.log(dag_id, run_id, "survive", 1).split("rank 1 runs in the executor JVM ")[1].split()[0])
     executor = psutil.Process(jvm)
     assert "CoarseGrainedExecutorBackend" in " ".join(executor.cmdline())
-    ranks = [p for p in shared_cluster_ranks() if executor in p.parents()]
+    ranks = [p for p in shared_cluster_ranks() if executor in lineage(p)]
     assert ranks, "no rank process under the executor JVM %d" % jvm
     killed_after = newest_step(folder)
     executor.kill()

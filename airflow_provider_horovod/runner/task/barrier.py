@@ -19,6 +19,7 @@ import os
 import platform
 import shutil
 import socket
+import time
 import traceback
 from collections.abc import Iterable
 from typing import Any
@@ -136,6 +137,9 @@ def result_rows(partition: int, kind: str, data: bytes, chunk: int) -> list[dict
 
 
 RESULT_CHUNK = 4 * 1024 * 1024
+# Without the driver's channel, the run's error is the stage's first task failure: a task whose rank only
+# saw Horovod shut down under it (Failure.secondary) raises this much later than the peer that caused it
+SECONDARY_FAILURE_DELAY_S = 1.0
 
 __all__ = ["run_local", "run_task", "spark_task"]
 
@@ -214,6 +218,8 @@ class SparkCoordinator:
 
     def finish(self, failure: Failure | None, tails: dict[str, list[str]]) -> None:
         if failure is not None:
+            if failure.secondary:  # Horovod shut down under this rank because a peer failed: Spark
+                time.sleep(SECONDARY_FAILURE_DELAY_S)  # reports the stage's first task failure, the peer's first
             raise TaskFailure(failure)
         self.ctx.barrier()  # every task keeps its exec service until all ranks are done
 
